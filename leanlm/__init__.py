@@ -1,0 +1,1 @@
+"""leanlm: make transformer language models cheap to run."""

@@ -1,0 +1,71 @@
+"""Prefill, decode step and the generation loop (batched, streaming, EOS and stop strings)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from leanlm.cache.static import StaticCache
+from leanlm.errors import LeanLMError
+from leanlm.generation.sampling import SamplingParams, sample
+from leanlm.models.transformer import Transformer
+
+
+@dataclass
+class Completion:
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+
+
+def check_fits(model: Transformer, prompt_len: int, max_tokens: int) -> int:
+    """Clip max_tokens to the context window; refuse a prompt that does not fit at all."""
+    window = model.config.max_position
+    if prompt_len == 0:
+        raise LeanLMError("empty prompt: give at least one token of text")
+    if prompt_len >= window:
+        raise LeanLMError(f"prompt is {prompt_len} tokens; the model's context window is {window} tokens")
+    return min(max_tokens, window - prompt_len)
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, prompts: list[list[int]], max_new: int) -> tuple[torch.Tensor, StaticCache]:
+    """Run the prompts (left-padded to one length) through the model; return last logits [B, V] and the cache."""
+    longest = max(len(p) for p in prompts)
+    pad = torch.tensor([longest - len(p) for p in prompts], device=model.device)
+    tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=model.device)
+    positions = (torch.arange(longest, device=model.device)[None] - pad[:, None]).clamp(min=0)
+    cache = StaticCache(model.config, len(prompts), longest + max_new, model.dtype, model.device, pad=pad)
+    logits = model(tokens, positions, cache, last_only=True)
+    return logits[:, -1], cache
+
+
+@torch.inference_mode()
+def decode_step(model: Transformer, cache: StaticCache, tokens: torch.Tensor) -> torch.Tensor:
+    """Feed one token per row  # [B] -> next logits [B, V]"""
+    positions = torch.full((tokens.shape[0], 1), cache.length, device=tokens.device)
+    if cache.pad is not None:
+        positions = positions - cache.pad[:, None]
+    return model(tokens[:, None], positions, cache)[:, -1]
+
+
+def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingParams,
+                 eos_ids: set[int] = frozenset()) -> Iterator[list[int]]:
+    """Yield one list per step with the new token of every row; stop once every row has produced EOS."""
+    max_new = check_fits(model, max(len(p) for p in prompts), params.max_tokens)
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(params.seed)
+    logits, cache = prefill(model, prompts, max_new)
+    done = [False] * len(prompts)
+    for step in range(max_new):
+        tokens = sample(logits, params, generator)
+        ids = tokens.tolist()
+        done = [d or (t in eos_ids and not params.ignore_eos) for d, t in zip(done, ids)]
+        yield ids
+        if all(done) or step == max_new - 1:
+            return
+        logits = decode_step(model, cache, tokens)

@@ -1,0 +1,94 @@
+"""Text in, text out: prompts (plain or chat) -> completions, streamed or batched, with stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from leanlm.generation.decode import Completion, generate_ids
+from leanlm.generation.sampling import SamplingParams
+from leanlm.models.transformer import Transformer
+from leanlm.tokenizer import Tokenizer
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
+    """Token ids of a plain prompt, or of a chat (a string becomes one user message) rendered by the template."""
+    if chat:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def eos_ids(model: Transformer, tokenizer: Tokenizer) -> set[int]:
+    ids = set(model.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class _Row:
+    """One sequence's generated text; emits only text that can no longer become a stop string."""
+
+    def __init__(self, prompt_ids: list[int], stops: tuple[str, ...], eos: set[int]):
+        self.prompt_ids, self.ids, self.stops, self.eos = prompt_ids, [], stops, eos
+        self.text, self.emitted, self.finish_reason = "", 0, None
+
+    def add(self, token: int, tokenizer: Tokenizer) -> str:
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return self._flush(len(self.text))
+        self.ids.append(token)
+        self.text = tokenizer.decode(self.ids)
+        for stop in self.stops:
+            at = self.text.find(stop, max(0, self.emitted - len(stop)))
+            if at >= 0:
+                self.text, self.finish_reason = self.text[:at], "stop"
+                return self._flush(at)
+        safe = len(self.text.rstrip("\ufffd"))  # an incomplete UTF-8 character waits for its next token
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, safe), 0, -1):
+                if self.text[:safe].endswith(stop[:n]):
+                    safe -= n
+                    break
+        return self._flush(safe)
+
+    def _flush(self, upto: int) -> str:
+        delta = self.text[self.emitted : max(upto, self.emitted)]
+        self.emitted = max(upto, self.emitted)
+        return delta
+
+
+def stream_rows(model: Transformer, tokenizer: Tokenizer, prompts: list, params: SamplingParams,
+                chat: bool = False) -> Iterator[tuple[int, str] | list[Completion]]:
+    """Yield (row, new text) as it is generated, then the list of finished Completions."""
+    prompt_ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
+    eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
+    rows = [_Row(ids, params.stop, eos) for ids in prompt_ids]
+    for step in generate_ids(model, prompt_ids, params, eos):
+        for i, (row, token) in enumerate(zip(rows, step)):
+            if row.finish_reason is None:
+                delta = row.add(token, tokenizer)
+                if delta:
+                    yield i, delta
+        if all(r.finish_reason for r in rows):
+            break
+    for i, row in enumerate(rows):
+        if row.finish_reason is None:
+            row.finish_reason = "length"
+            if delta := row._flush(len(row.text)):
+                yield i, delta
+    yield [Completion(r.prompt_ids, r.ids, r.text, r.finish_reason) for r in rows]
+
+
+def generate(model: Transformer, tokenizer: Tokenizer, prompts: str | list, params: SamplingParams,
+             chat: bool = False) -> list[Completion]:
+    """Complete a batch of prompts (of any lengths) together."""
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    *_, completions = stream_rows(model, tokenizer, prompts, params, chat)
+    return completions
+
+
+def stream(model: Transformer, tokenizer: Tokenizer, prompt, params: SamplingParams, chat: bool = False) -> Iterator[str]:
+    """Text pieces of one prompt's completion as they are generated."""
+    for item in stream_rows(model, tokenizer, [prompt], params, chat):
+        if isinstance(item, tuple):
+            yield item[1]

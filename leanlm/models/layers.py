@@ -1,0 +1,87 @@
+"""Decoder building blocks: RMSNorm, rotary embedding, grouped-query attention, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leanlm.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w, computed in float32 like the reference implementations."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_table(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for every position, half-split layout (rotate_half convention)  # [max_position, head_dim]"""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.max_position, dtype=torch.float64, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of every head.  x [B, T, H, D]; cos, sin [B, T, 1, D]"""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with one fused q/k/v projection.  https://arxiv.org/abs/2305.13245"""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache, mask, is_causal):
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos.to(x.dtype), sin.to(x.dtype))
+        q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
+        k = qk[:, :, self.n_heads :].transpose(1, 2)  # [B, Hkv, T, D]
+        v = qkv[:, :, self.n_heads + self.n_kv :].transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with one fused gate/up projection: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, mask, is_causal):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, is_causal)
+        return x + self.mlp(self.post_attention_layernorm(x))

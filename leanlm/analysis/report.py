@@ -1,0 +1,85 @@
+"""`leanlm info`: architecture and memory breakdown, formula next to measurement."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from rich.console import Group
+from rich.table import Table
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from leanlm.analysis.memory import activation_bytes, kv_cache_bytes, param_count, stored_bytes, weight_bytes_read
+from leanlm.cache.static import StaticCache
+from leanlm.models.transformer import Transformer
+
+MB = 2**20
+
+
+class PeakTensorBytes(TorchDispatchMode):
+    """Measures the peak bytes of tensors created inside the block (and still alive), on any device."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in tree_flatten(result)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                key, n = storage.data_ptr(), storage.nbytes()
+                if n and key not in self._seen:
+                    self._seen.add(key)
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, n)
+        return result
+
+    def _free(self, key: int, n: int) -> None:
+        self._seen.discard(key)
+        self.live -= n
+
+
+def _count(model: Transformer, *names: str) -> int:
+    params = {id(p): p for n, p in model.named_parameters() if any(s in n for s in names)}
+    return sum(p.numel() for p in params.values())
+
+
+@torch.inference_mode()
+def memory_report(model: Transformer, batch: int = 1, length: int | None = None) -> Group:
+    cfg = model.config
+    length = min(length or cfg.max_position, cfg.max_position)
+    nbytes = model.dtype.itemsize
+    counts = param_count(cfg)
+    arch = Table("architecture", "", show_header=False)
+    for k, v in cfg.to_dict().items():
+        arch.add_row(k, str(v))
+
+    cache = StaticCache(cfg, batch, length, model.dtype, model.device)
+    prefill = min(length, 512)
+    with PeakTensorBytes() as tracker:
+        model(torch.zeros(1, prefill, dtype=torch.long, device=model.device), torch.arange(prefill, device=model.device)[None], last_only=True)
+
+    d, L, V, I = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.intermediate_size
+    mem = Table("quantity", "formula", "formula", "measured", title=f"memory ({str(model.dtype)[6:]})")
+    rows = [
+        ("embedding params", "V x d", counts.embedding, _count(model, "embed_tokens")),
+        ("attention params", "L x (d x (q + 2kv) + q x d) (+ biases)", counts.attention, _count(model, "self_attn")),
+        ("MLP params", "L x 3 x d x I", counts.mlp, _count(model, "mlp.")),
+        ("norm params", "(2L + 1) x d", counts.norms, _count(model, "norm")),
+        ("lm_head params", "0 if tied else V x d", counts.lm_head,
+         0 if cfg.tie_embeddings else _count(model, "lm_head")),
+    ]
+    for name, formula, value, measured in rows:
+        mem.add_row(name, formula, f"{value:,}", f"{measured:,}")
+    mem.add_row("weights MB", f"params x {nbytes} B", f"{counts.total * nbytes / MB:,.1f}", f"{stored_bytes(model) / MB:,.1f}")
+    mem.add_row("read per decode step MB", "weights - untied embedding", f"{counts.read_per_token * nbytes / MB:,.1f}",
+                f"{weight_bytes_read(model) / MB:,.1f}")
+    mem.add_row(f"KV cache MB, {batch} x {length}", f"2 x L x kv_heads x head_dim x {nbytes} B x batch x length",
+                f"{kv_cache_bytes(cfg, batch, length, nbytes) / MB:,.1f}", f"{cache.nbytes / MB:,.1f}")
+    mem.add_row(f"activations MB, prefill 1 x {prefill}", f"T x ((2d + max(2q + 2kv, 3I)) x {nbytes} B + 2d x 4 B) + V x 4 B",
+                f"{activation_bytes(cfg, 1, prefill, nbytes) / MB:,.1f}", f"{tracker.peak / MB:,.1f}")
+    return Group(arch, mem)

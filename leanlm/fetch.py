@@ -51,10 +51,11 @@ def pip_download(requirement: str, dest: Path, sdist: bool = False) -> Path:
     new = [p for p in dest.iterdir() if p not in before]
     if new:
         return new[0]
-    # pip skips a file that is already there; find it by the project name.
-    stem = requirement.split("==")[0].replace("-", "_").lower()
+    # pip skips a file that is already there; find it by "<project>-<version>" (part1 must not match part10).
+    stem = requirement.replace("==", "-").replace("_", "-").lower()
     for p in dest.iterdir():
-        if p.name.lower().replace("-", "_").startswith(stem):
+        name = p.name.lower().replace("_", "-")
+        if name.startswith(stem + "-") or name in (stem + ".tar.gz", stem + ".zip"):
             return p
     raise LeanLMError(f"pip reported success for {requirement} but wrote no file to {dest}")
 

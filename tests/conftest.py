@@ -36,3 +36,31 @@ def make_hf_model(arch: str, path, seed: int = 0, **overrides):
 def tiny_hf(request, tmp_path):
     """(arch, directory, transformers model) for every supported architecture."""
     return request.param, tmp_path, make_hf_model(request.param, tmp_path)
+
+
+def make_tokenizer(path, vocab_size: int = 120) -> None:
+    """A small character-level BPE tokenizer (with <s>, </s> and a chat template) saved like an HF one."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
+    text = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "def f(x): return x + 1"] * 20
+    tok.train_from_iterator(text, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    """A complete tiny model directory (weights, config, tokenizer), as `leanlm` loads from the zoo."""
+    make_hf_model("llama", tmp_path)
+    make_tokenizer(tmp_path)
+    return tmp_path

@@ -15,9 +15,9 @@ class StaticCache:
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device=None, pad: torch.Tensor | None = None):
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.max_len = max_len
         self.length = 0
         self.pad = pad if pad is not None and bool(pad.any()) else None  # [B] padding slots per row
@@ -26,9 +26,9 @@ class StaticCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} > {self.max_len} slots")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def attention_mask(self, T: int):
         if self.pad is None:
@@ -37,8 +37,8 @@ class StaticCache:
             if self.length == 0:
                 return None, True
         S = self.length + T
-        key = torch.arange(S, device=self.k.device)
-        query = torch.arange(self.length, S, device=self.k.device)
+        key = torch.arange(S, device=self.k[0].device)
+        query = torch.arange(self.length, S, device=self.k[0].device)
         allowed = key[None, :] <= query[:, None]  # [T, S]
         if self.pad is not None:
             allowed = allowed[None] & (key[None, None, :] >= self.pad[:, None, None])  # [B, T, S]
@@ -54,4 +54,4 @@ class StaticCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -53,19 +54,23 @@ def decode_step(model: Transformer, cache: StaticCache, tokens: torch.Tensor) ->
 
 
 def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingParams,
-                 eos_ids: set[int] = frozenset()) -> Iterator[list[int]]:
-    """Yield one list per step with the new token of every row; stop once every row has produced EOS."""
+                 eos_ids: set[int] = frozenset(), compiled=None) -> Iterator[list[int]]:
+    """Yield one list per step with the new token of every row; stop once every row has produced EOS.
+
+    `compiled`: a generation.compiled.CompiledDecoder to run the decode steps with (default: eager).
+    """
+    step = compiled.decode_step if compiled is not None else partial(decode_step, model)
     max_new = check_fits(model, max(len(p) for p in prompts), params.max_tokens)
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed)
     logits, cache = prefill(model, prompts, max_new)
     done = [False] * len(prompts)
-    for step in range(max_new):
+    for i in range(max_new):
         tokens = sample(logits, params, generator)
         ids = tokens.tolist()
         done = [d or (t in eos_ids and not params.ignore_eos) for d, t in zip(done, ids)]
         yield ids
-        if all(done) or step == max_new - 1:
+        if all(done) or i == max_new - 1:
             return
-        logits = decode_step(model, cache, tokens)
+        logits = step(cache, tokens)

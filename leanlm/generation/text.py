@@ -33,7 +33,8 @@ class _Row:
         self.text, self.emitted, self.finish_reason = "", 0, None
 
     def add(self, token: int, tokenizer: Tokenizer) -> str:
-        if token in self.eos:
+        if token in self.eos:  # kept in the token ids, never in the text
+            self.ids.append(token)
             self.finish_reason = "stop"
             return self._flush(len(self.text))
         self.ids.append(token)
@@ -58,12 +59,12 @@ class _Row:
 
 
 def stream_rows(model: Transformer, tokenizer: Tokenizer, prompts: list, params: SamplingParams,
-                chat: bool = False) -> Iterator[tuple[int, str] | list[Completion]]:
+                chat: bool = False, compiled=None) -> Iterator[tuple[int, str] | list[Completion]]:
     """Yield (row, new text) as it is generated, then the list of finished Completions."""
     prompt_ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
     rows = [_Row(ids, params.stop, eos) for ids in prompt_ids]
-    for step in generate_ids(model, prompt_ids, params, eos):
+    for step in generate_ids(model, prompt_ids, params, eos, compiled):
         for i, (row, token) in enumerate(zip(rows, step)):
             if row.finish_reason is None:
                 delta = row.add(token, tokenizer)
@@ -80,15 +81,16 @@ def stream_rows(model: Transformer, tokenizer: Tokenizer, prompts: list, params:
 
 
 def generate(model: Transformer, tokenizer: Tokenizer, prompts: str | list, params: SamplingParams,
-             chat: bool = False) -> list[Completion]:
+             chat: bool = False, compiled=None) -> list[Completion]:
     """Complete a batch of prompts (of any lengths) together."""
     prompts = [prompts] if isinstance(prompts, str) else prompts
-    *_, completions = stream_rows(model, tokenizer, prompts, params, chat)
+    *_, completions = stream_rows(model, tokenizer, prompts, params, chat, compiled)
     return completions
 
 
-def stream(model: Transformer, tokenizer: Tokenizer, prompt, params: SamplingParams, chat: bool = False) -> Iterator[str]:
+def stream(model: Transformer, tokenizer: Tokenizer, prompt, params: SamplingParams, chat: bool = False,
+           compiled=None) -> Iterator[str]:
     """Text pieces of one prompt's completion as they are generated."""
-    for item in stream_rows(model, tokenizer, [prompt], params, chat):
+    for item in stream_rows(model, tokenizer, [prompt], params, chat, compiled):
         if isinstance(item, tuple):
             yield item[1]

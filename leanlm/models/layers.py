@@ -9,6 +9,18 @@ from torch import nn
 from leanlm.models.config import ModelConfig
 
 
+class Linear(nn.Linear):
+    """nn.Linear that, when compiled, computes a single row as a reduction: inductor then emits one fused,
+    vectorised loop that streams the weight once, where the library GEMV paths for 16-bit weights pay a
+    large fixed cost per call on CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
+            y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, computed in float32 like the reference implementations."""
 
@@ -45,20 +57,44 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache, mask, is_causal):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos.to(x.dtype), sin.to(x.dtype))
+        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
         q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, self.n_heads :].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, self.n_heads + self.n_kv :].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # [B, Hkv, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv != self.n_heads)
+        if T == 1:
+            out = decode_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                 enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one new query per row as two small matmuls; the G query heads sharing a KV head are
+    stacked as G rows, so keys are never repeated and no fused-kernel launch cost is paid.
+    q [B, H, 1, D]; k, v [B, Hkv, S, D]; mask [B, 1, 1, S] or None -> [B, H, 1, D]"""
+    B, H, _, D = q.shape
+    qg = q.reshape(B, k.shape[1], H // k.shape[1], D)  # [B, Hkv, G, D]
+    if torch.compiler.is_compiling():  # plain reductions fuse into one loop; library bmm calls do not
+        scores = (qg.unsqueeze(-2).float() * k.unsqueeze(2).float()).sum(-1) * D**-0.5  # [B, Hkv, G, S]
+    else:
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * D**-0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1)
+    if torch.compiler.is_compiling():
+        out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2).to(v.dtype)  # [B, Hkv, G, D]
+    else:
+        out = torch.matmul(probs.to(v.dtype), v)
+    return out.reshape(B, H, 1, D)
 
 
 class MLP(nn.Module):
@@ -66,8 +102,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

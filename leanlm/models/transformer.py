@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from leanlm.models.config import ModelConfig
-from leanlm.models.layers import Block, RMSNorm, rope_table
+from leanlm.models.layers import Block, Linear, RMSNorm, rope_table
 
 
 class Transformer(nn.Module):
@@ -16,7 +16,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_table(cfg)
@@ -34,10 +34,10 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
         """tokens, positions [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only)."""
         T = tokens.shape[1]
-        cos = self.rope_cos[positions].unsqueeze(2)  # [B, T, 1, D]
-        sin = self.rope_sin[positions].unsqueeze(2)
-        mask, is_causal = (None, T > 1) if cache is None else cache.attention_mask(T)
         x = self.embed_tokens(tokens)
+        cos = self.rope_cos[positions].unsqueeze(2).to(x.dtype)  # [B, T, 1, D]
+        sin = self.rope_sin[positions].unsqueeze(2).to(x.dtype)
+        mask, is_causal = (None, T > 1) if cache is None else cache.attention_mask(T)
         for block in self.layers:
             x = block(x, cos, sin, cache, mask, is_causal)
         if cache is not None:

@@ -1,0 +1,61 @@
+"""The CLI as a user runs it: one clear line on bad input, JSON where promised."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def leanlm(*args, env=None):
+    return subprocess.run([sys.executable, "-c", "from leanlm.cli import main; main()", *map(str, args)],
+                          capture_output=True, text=True, env=env)
+
+
+def test_generate_eval_bench_info_on_a_directory(tiny_dir, tmp_path_factory):
+    r = leanlm("generate", tiny_dir, "hello world", "--max-tokens", "5", "--threads", "1", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    text = tmp_path_factory.mktemp("data") / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    r = leanlm("eval", tiny_dir, "--data", text, "--json", "--threads", "1", "--window", "64", "--stride", "32")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["perplexity"] > 1 and report["tokens"] > 100
+    r = leanlm("bench", tiny_dir, "--json", "--threads", "1", "--prompt-tokens", "16", "--new-tokens", "8", "--eager")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    for key in ("ttft_ms", "tpot_ms", "tokens_per_s", "mbu", "threads", "dtype"):
+        assert key in report
+    assert report["threads"] == 1 and report["tokens_per_s"] > 0
+    r = leanlm("info", tiny_dir, "--dtype", "float32")
+    assert r.returncode == 0 and "KV cache" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "no-such-model", "hi"], "smollm2-135m"),
+    (["generate", "/no/such/dir", "hi"], "does not exist"),
+    (["eval", "{dir}", "--data", "/no/such/file.txt"], "/no/such/file.txt"),
+    (["generate", "{dir}", "hi", "--top-p", "2"], "top_p"),
+    (["generate", "{dir}", "hi", "--dtype", "int3"], "unknown dtype"),
+    (["generate", "{dir}", "hello " * 300], "context window"),
+    (["bench", "{dir}", "--threads", "0"], "threads"),
+])
+def test_bad_input_is_one_clear_line(tiny_dir, args, message):
+    r = leanlm(*[a.replace("{dir}", str(tiny_dir)) for a in args])
+    assert r.returncode != 0
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unsupported_architecture(tiny_dir):
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tiny_dir / "config.json").write_text(json.dumps(cfg))
+    r = leanlm("generate", tiny_dir, "hi")
+    assert r.returncode == 2 and "supported: llama, mistral, qwen2" in r.stderr
+
+
+def test_every_verb_has_help():
+    for verb in ("pull", "generate", "eval", "bench", "info"):
+        r = leanlm(verb, "--help")
+        assert r.returncode == 0 and "Usage" in r.stdout

@@ -66,22 +66,26 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="random seed for sampling")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
+    compile: Annotated[bool, typer.Option("--compile/--eager", help="decode with a torch.compile'd step "
+                                          "(faster per token; the first run compiles for 30-100 s)")] = False,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Complete PROMPT with MODEL and print the completion (streamed for a single prompt)."""
+    from leanlm.generation.compiled import CompiledDecoder
     from leanlm.generation.sampling import SamplingParams
     from leanlm.generation.text import generate as gen, stream
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                             stop=tuple(stop or ()), seed=seed)
     net, tok, _ = _load(model, dtype, device, threads)
+    compiled = CompiledDecoder(net) if compile else None
     if len(prompt) == 1:
-        for piece in stream(net, tok, prompt[0], params, chat):
+        for piece in stream(net, tok, prompt[0], params, chat, compiled):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         return
-    for i, c in enumerate(gen(net, tok, prompt, params, chat)):
+    for i, c in enumerate(gen(net, tok, prompt, params, chat, compiled)):
         out.rule(f"prompt {i + 1}: {prompt[i][:60]!r}")
         out.print(c.text, highlight=False, markup=False)
 
@@ -137,6 +141,8 @@ def bench(
     new_tokens: Annotated[int, typer.Option(help="decoded tokens (TPOT)")] = 64,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     refresh_probe: Annotated[bool, typer.Option(help="re-measure the machine's peak bandwidth and FLOP/s")] = False,
+    compile: Annotated[bool, typer.Option("--compile/--eager", help="decode with a torch.compile'd step "
+                                          "(the default; the warm-up pays a 30-100 s compilation)")] = True,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Measure TTFT, TPOT, tokens/s, GB/s, MBU and prefill MFU of MODEL."""
@@ -149,11 +155,12 @@ def bench(
     net, _, _ = _load(model, dtype, device, threads, quiet=json_)
     if check_fits(net, prompt_tokens, new_tokens) < new_tokens:
         _fail(f"--prompt-tokens + --new-tokens exceeds the context window ({net.config.max_position})")
-    r = run_bench(net, model, prompt_tokens, new_tokens, batch, refresh_probe=refresh_probe)
+    r = run_bench(net, model, prompt_tokens, new_tokens, batch, refresh_probe=refresh_probe, compiled=compile)
     if json_:
         print(json.dumps(r.to_dict()))
         return
-    table = Table(title=f"{model} · {r.dtype} · {r.device} · {r.threads} thread(s) · batch {r.batch}")
+    mode = "compiled" if r.compiled else "eager"
+    table = Table(title=f"{model} · {r.dtype} · {r.device} · {r.threads} thread(s) · batch {r.batch} · {mode}")
     for col in ("TTFT ms", "TPOT ms", "tok/s", "GB/s", "MBU", "prefill tok/s", "MFU", "peak MB"):
         table.add_column(col, justify="right")
     table.add_row(f"{r.ttft_ms:.1f}", f"{r.tpot_ms:.2f}", f"{r.tokens_per_s:.1f}", f"{r.gbs:.1f}", f"{r.mbu:.0%}",
@@ -173,6 +180,52 @@ def info(model: Model,
 
     net, _ = load(model, dtype, device)
     out.print(memory_report(net, batch, length))
+
+
+@app.command()
+def demo(model: Annotated[str, typer.Argument(help="zoo name, directory or .gguf")] = "smollm2-135m",
+         compile: Annotated[bool, typer.Option("--compile/--eager", help="benchmark a torch.compile'd decode step")] = True,
+         dtype: DType = "auto", device: Device = "auto", threads: Threads = None) -> None:
+    """The main job: pull MODEL, generate from it, measure perplexity, benchmark it, print a summary."""
+    import torch
+    from rich.progress import Progress
+
+    from leanlm.bench.latency import bench as run_bench
+    from leanlm.eval.datasets import load_text
+    from leanlm.eval.perplexity import DEFAULT_MAX_TOKENS, perplexity, scored_tokens
+    from leanlm.generation.sampling import SamplingParams
+    from leanlm.generation.text import stream
+
+    net, tok, threads = _load(model, dtype, device, threads)
+    prompt = "Write two sentences about why small language models are useful."
+    out.rule(f"generate ({model}, chat, greedy)")
+    out.print(f"[bold]> {prompt}[/]")
+    for piece in stream(net, tok, prompt, SamplingParams(temperature=0, max_tokens=80), chat=True):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    out.rule("perplexity on the built-in evaluation text")
+    ids = torch.tensor(tok.encode(load_text(None))[:DEFAULT_MAX_TOKENS])
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("perplexity", total=scored_tokens(len(ids)))
+        ppl = perplexity(net, ids, progress=lambda n: bar.advance(task, n))
+    out.print(f"perplexity {ppl.perplexity:.3f} over {ppl.tokens} tokens")
+    out.rule("benchmark (batch 1, 128-token prompt, 64 new tokens)")
+    if compile:
+        out.print("[dim]compiling the decode step (30-100 s the first time, cached after)…[/]")
+    r = run_bench(net, model, 128, 64, 1, compiled=compile)
+    table = Table(title=f"leanlm summary: {model}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in [("dtype / device / threads", f"{r.dtype} / {r.device} / {r.threads}"),
+                        ("perplexity (built-in evaluation text)", f"{ppl.perplexity:.3f}"),
+                        ("TTFT, 128-token prompt", f"{r.ttft_ms:.1f} ms"), ("TPOT", f"{r.tpot_ms:.2f} ms"),
+                        ("decode tokens/s", f"{r.tokens_per_s:.1f}"),
+                        ("MBU", f"{r.mbu:.0%} of {r.peak_bandwidth_gbs:.1f} GB/s"),
+                        ("prefill MFU", f"{r.mfu:.0%} of {r.peak_gflops:.0f} GFLOP/s"),
+                        ("peak memory", f"{r.peak_memory_mb:.0f} MB")]:
+        table.add_row(name, value)
+    out.print(table)
 
 
 def main() -> None:

@@ -10,15 +10,22 @@ from leanlm.models.config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, when compiled, computes a single row as a reduction: inductor then emits one fused,
-    vectorised loop that streams the weight once, where the library GEMV paths for 16-bit weights pay a
-    large fixed cost per call on CPU."""
+    """nn.Linear with the kernel picked per phase on CPU.
+
+    - Compiled single row (decode): a plain reduction, which inductor turns into one fused loop that
+      streams the weight once (the library bf16 GEMV pays a large fixed cost per call here).
+    - float16 weights, several rows (prefill): this CPU has no fp16 matrix-matrix path (~3 GFLOP/s), so
+      the product runs in float32; fp16 stays the storage format because its GEMV is the fastest decode.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
-            y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
-            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+            y = (x.unsqueeze(-2).float() * w.float()).sum(-1)
+            return (y if b is None else y + b.float()).to(x.dtype)
+        if w.dtype == torch.float16 and w.device.type == "cpu" and x.numel() > x.shape[-1]:
+            return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        return F.linear(x, w, b)
 
 
 class RMSNorm(nn.Module):

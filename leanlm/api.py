@@ -20,6 +20,4 @@ def load(model: str | Path, dtype: str | torch.dtype | None = None, device: str 
     path = resolve(str(model), progress=progress)
     dev = resolve_device(device)
     dt = default_dtype(dev) if dtype in (None, "auto") else parse_dtype(dtype)
-    net = load_model(path, dt, dev)
-    net.source = path
-    return net, Tokenizer(path)
+    return load_model(path, dt, dev), Tokenizer(path)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -67,6 +66,3 @@ def pick_threads(model, requested: int | None = None, steps: int = 6) -> tuple[i
     torch.set_num_threads(threads)
     return threads, timings
 
-
-def model_size_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from leanlm.errors import LeanLMError
 from leanlm.models.config import ModelConfig
+from leanlm.models.layers import rope_table
 from leanlm.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -97,7 +98,5 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.bfloat16, device: st
         raise LeanLMError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    from leanlm.models.layers import rope_table
-
     model.rope_cos, model.rope_sin = rope_table(cfg, device=device)
     return model.eval().requires_grad_(False)

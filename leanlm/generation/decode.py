@@ -33,13 +33,17 @@ def check_fits(model: Transformer, prompt_len: int, max_tokens: int) -> int:
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, prompts: list[list[int]], max_new: int) -> tuple[torch.Tensor, StaticCache]:
-    """Run the prompts (left-padded to one length) through the model; return last logits [B, V] and the cache."""
+def prefill(model: Transformer, prompts: list[list[int]], max_new: int, round_to: int = 1) -> tuple[torch.Tensor, StaticCache]:
+    """Run the prompts (left-padded to one length) through the model; return last logits [B, V] and the cache.
+
+    round_to: size the cache to a multiple of this, so that a compiled decode step sees few distinct shapes.
+    """
     longest = max(len(p) for p in prompts)
+    slots = min(-(-(longest + max_new) // round_to) * round_to, max(model.config.max_position, longest + max_new))
     pad = torch.tensor([longest - len(p) for p in prompts], device=model.device)
     tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=model.device)
     positions = (torch.arange(longest, device=model.device)[None] - pad[:, None]).clamp(min=0)
-    cache = StaticCache(model.config, len(prompts), longest + max_new, model.dtype, model.device, pad=pad)
+    cache = StaticCache(model.config, len(prompts), slots, model.dtype, model.device, pad=pad)
     logits = model(tokens, positions, cache, last_only=True)
     return logits[:, -1], cache
 
@@ -64,7 +68,7 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed)
-    logits, cache = prefill(model, prompts, max_new)
+    logits, cache = prefill(model, prompts, max_new, round_to=256 if compiled is not None else 1)
     done = [False] * len(prompts)
     for i in range(max_new):
         tokens = sample(logits, params, generator)

@@ -20,3 +20,15 @@ def test_compiled_decode_matches_eager_batched(tmp_path):
             logits_c = compiled.decode_step(cache_c, tok_c)
             assert torch.allclose(logits_c, logits_e, atol=1e-4)
             tok_e, tok_c = logits_e.argmax(-1), logits_c.argmax(-1)
+
+
+def test_compiled_generate_equals_eager(tiny_dir):
+    from leanlm.generation.sampling import SamplingParams
+    from leanlm.generation.text import generate
+    from leanlm.tokenizer import Tokenizer
+
+    model, tok = load_model(tiny_dir, torch.float32), Tokenizer(tiny_dir)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    eager = generate(model, tok, ["hello world", "the quick brown fox"], params)
+    compiled = generate(model, tok, ["hello world", "the quick brown fox"], params, compiled=CompiledDecoder(model))
+    assert [c.tokens for c in compiled] == [c.tokens for c in eager]

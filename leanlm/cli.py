@@ -68,6 +68,12 @@ def generate(
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
     compile: Annotated[bool, typer.Option("--compile/--eager", help="decode with a torch.compile'd step "
                                           "(2-3x faster per token on CPU; the first run compiles for 30-100 s)")] = False,
+    draft: Annotated[Optional[str], typer.Option(help="speculative decoding with this draft model (same tokenizer)")] = None,
+    num_speculative: Annotated[Optional[int], typer.Option(help="tokens proposed per target forward (default: "
+                                                                "chosen from measured costs; 0 = plain decoding)")] = None,
+    prompt_lookup: Annotated[Optional[int], typer.Option(help="speculative decoding by prompt lookup with n-grams up "
+                                                              "to N (plain --prompt-lookup: 3)")] = None,
+    stats: Annotated[bool, typer.Option(help="print speculative-decoding statistics to stderr")] = False,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Complete PROMPT with MODEL and print the completion (streamed for a single prompt)."""
@@ -77,7 +83,12 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                             stop=tuple(stop or ()), seed=seed)
-    net, tok, _ = _load(model, dtype, device, threads)
+    net, tok, threads = _load(model, dtype, device, threads)
+    if (draft or prompt_lookup) and num_speculative != 0:
+        if len(prompt) > 1:
+            _fail("speculative decoding takes one prompt at a time")
+        _speculate(net, tok, prompt[0], params, chat, draft, prompt_lookup, num_speculative, dtype, device, threads, stats)
+        return
     compiled = CompiledDecoder(net) if compile else None
     if len(prompt) == 1:
         for piece in stream(net, tok, prompt[0], params, chat, compiled):
@@ -88,6 +99,33 @@ def generate(
     for i, c in enumerate(gen(net, tok, prompt, params, chat, compiled)):
         out.rule(f"prompt {i + 1}: {prompt[i][:60]!r}")
         out.print(c.text, highlight=False, markup=False)
+
+
+def _load_draft(draft: str, tok, dtype, device, threads):
+    net, draft_tok, _ = _load(draft, dtype, device, threads)
+    if not tok.same_vocabulary(draft_tok):
+        _fail(f"draft {draft!r} does not share the target's tokenizer; speculative decoding needs the same vocabulary")
+    return net
+
+
+def _speculate(net, tok, prompt, params, chat, draft, ngram, k, dtype, device, threads, show_stats) -> None:
+    from leanlm.generation.speculative import SpecStats, make_proposer
+    from leanlm.generation.text import encode_prompt, stream_speculative
+
+    draft_net = _load_draft(draft, tok, dtype, device, threads) if draft else None
+    max_len = len(encode_prompt(tok, prompt, chat)) + params.max_tokens
+    proposer, k = make_proposer(net, params, max_len, draft_net, ngram, k)
+    stats = SpecStats(k)
+    for piece in stream_speculative(net, tok, prompt, params, proposer, k, chat, stats):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if show_stats:
+        d = stats.to_dict()
+        err.print(f"K={k} acceptance {d['acceptance']:.1%} (per position "
+                  f"{', '.join(f'{a:.0%}' for a in d['acceptance_per_position'])}), "
+                  f"{d['tokens_per_target_forward']:.2f} tokens/target forward, draft time share {d['draft_time_share']:.0%}, "
+                  f"c={d['cost_ratio']:.2f}, predicted speedup {d['predicted_speedup']:.2f}x", highlight=False, soft_wrap=True)
 
 
 @app.command("eval")
@@ -143,16 +181,22 @@ def bench(
     refresh_probe: Annotated[bool, typer.Option(help="re-measure the machine's peak bandwidth and FLOP/s")] = False,
     compile: Annotated[bool, typer.Option("--compile/--eager", help="decode with a torch.compile'd step (the "
                                           "default; the warm-up pays a compilation, 30-100 s the first time)")] = True,
+    draft: Annotated[Optional[str], typer.Option(help="benchmark speculative decoding with this draft on code prompts")] = None,
+    num_speculative: Annotated[Optional[int], typer.Option(help="tokens proposed per target forward (default: chosen)")] = None,
+    prompt_lookup: Annotated[Optional[int], typer.Option(help="benchmark prompt lookup (n-grams up to N, plain flag: 3) "
+                                                              "on input-grounded prompts")] = None,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
-    """Measure TTFT, TPOT, tokens/s, GB/s, MBU and prefill MFU of MODEL."""
+    """Measure TTFT, TPOT, tokens/s, GB/s, MBU and prefill MFU of MODEL (or speculative decoding statistics)."""
     from leanlm.bench.latency import bench as run_bench
     from leanlm.generation.decode import check_fits
 
     for name, value in (("prompt-tokens", prompt_tokens), ("new-tokens", new_tokens), ("batch", batch)):
         if value < 1:
             _fail(f"--{name} must be at least 1")
-    net, _, _ = _load(model, dtype, device, threads, quiet=json_)
+    net, tok, threads = _load(model, dtype, device, threads, quiet=json_)
+    if draft or prompt_lookup:
+        return _bench_speculative(net, tok, model, draft, prompt_lookup, num_speculative, new_tokens, json_, dtype, device, threads)
     if check_fits(net, prompt_tokens, new_tokens) < new_tokens:
         _fail(f"--prompt-tokens + --new-tokens exceeds the context window ({net.config.max_position})")
     r = run_bench(net, model, prompt_tokens, new_tokens, batch, refresh_probe=refresh_probe, compiled=compile)
@@ -167,6 +211,35 @@ def bench(
                   f"{r.prefill_tokens_per_s:.0f}", f"{r.mfu:.0%}", f"{r.peak_memory_mb:.0f}")
     out.print(table)
     out.print(f"peaks measured here: {r.peak_bandwidth_gbs:.1f} GB/s, {r.peak_gflops:.0f} GFLOP/s ({r.dtype} matmul)")
+
+
+def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtype, device, threads) -> None:
+    from leanlm.bench.speculative import CODE_PROMPTS, compare, grounded_prompts
+    from leanlm.generation.sampling import SamplingParams
+    from leanlm.generation.speculative import DraftProposer, LookupProposer, make_proposer
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    draft_net = _load_draft(draft, tok, dtype, device, threads) if draft else None
+    _, k = make_proposer(net, params, 16, draft_net, ngram, k)
+    if draft_net is not None:
+        prompts, factory = CODE_PROMPTS, lambda max_len: DraftProposer(draft_net, max_len + k + 1, params)
+    else:
+        prompts, factory = grounded_prompts(), lambda max_len: LookupProposer(ngram=ngram)
+    r = compare(net, tok, prompts, params, factory, k)
+    r.update(model=model, draft=draft, prompt_lookup=ngram, threads=threads, dtype=str(net.dtype).removeprefix("torch."))
+    if json_:
+        print(json.dumps(r))
+        return
+    table = Table(title=f"speculative decoding: {model} " + (f"with draft {draft}" if draft else f"prompt lookup (n<={ngram})")
+                  + f", K={k}, greedy, {r['prompts']} prompts, eager, {threads} thread(s)")
+    for col in ("acceptance", "per position", "tokens/forward", "draft share", "c", "predicted", "measured",
+                "plain tok/s", "spec tok/s", "same output"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{r['acceptance']:.1%}", " ".join(f"{a:.0%}" for a in r["acceptance_per_position"]),
+                  f"{r['tokens_per_target_forward']:.2f}", f"{r['draft_time_share']:.0%}", f"{r['cost_ratio']:.2f}",
+                  f"{r['predicted_speedup']:.2f}x", f"{r['measured_speedup']:.2f}x", f"{r['plain_tokens_per_s']:.1f}",
+                  f"{r['spec_tokens_per_s']:.1f}", f"{r['identical_outputs']}/{r['prompts']}")
+    out.print(table)
 
 
 @app.command()
@@ -228,12 +301,25 @@ def demo(model: Annotated[str, typer.Argument(help="zoo name, directory or .gguf
     out.print(table)
 
 
+def _default_lookup(argv: list[str]) -> list[str]:
+    """`--prompt-lookup` given without a number means n-grams up to 3."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--prompt-lookup" and (i + 1 == len(out) or not out[i + 1].isdigit()):
+            out.insert(i + 1, "3")
+    return out
+
+
 def main() -> None:
     try:
-        app()
+        app(args=_default_lookup(sys.argv[1:]))
     except LeanLMError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

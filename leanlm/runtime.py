@@ -48,21 +48,31 @@ def pick_threads(model, requested: int | None = None, steps: int = 6) -> tuple[i
         return requested, {}
     if model.device.type != "cpu":
         return torch.get_num_threads(), {}
-    from leanlm.cache.static import StaticCache
-
     timings = {}
-    token = torch.zeros(1, 1, dtype=torch.long)
     for n in sorted({1, max(1, cpu_count() // 2), cpu_count()}):
         torch.set_num_threads(n)
-        cache = StaticCache(model.config, 1, steps + 2, model.dtype)
-        model(token, torch.zeros(1, 1, dtype=torch.long), cache)  # warm-up
-        best = float("inf")
-        for i in range(steps):
-            start = time.perf_counter()
-            model(token, torch.tensor([[i + 1]]), cache, last_only=True)
-            best = min(best, time.perf_counter() - start)
-        timings[n] = best
+        timings[n] = decode_step_seconds(model, steps)
     threads = min(timings, key=timings.get)
     torch.set_num_threads(threads)
     return threads, timings
 
+
+
+@torch.inference_mode()
+def decode_step_seconds(model, steps: int = 6) -> float:
+    """Best time of one single-token forward with a short cache (after a warm-up)."""
+    from leanlm.cache.static import StaticCache
+
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    cache = StaticCache(model.config, 1, steps + 2, model.dtype, model.device)
+    model(token, torch.zeros(1, 1, dtype=torch.long, device=model.device), cache)
+    best = float("inf")
+    for i in range(steps):
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(token, torch.tensor([[i + 1]], device=model.device), cache, last_only=True)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best

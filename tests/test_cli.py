@@ -59,3 +59,30 @@ def test_every_verb_has_help():
     for verb in ("pull", "generate", "eval", "bench", "info"):
         r = leanlm(verb, "--help")
         assert r.returncode == 0 and "Usage" in r.stdout
+
+
+def test_speculative_generate_and_bench(tiny_dir):
+    plain = leanlm("generate", tiny_dir, "hello world", "--max-tokens", "8", "--threads", "1", "--dtype", "float32")
+    lookup = leanlm("generate", tiny_dir, "hello world", "--max-tokens", "8", "--threads", "1", "--dtype", "float32",
+                    "--prompt-lookup", "--stats")
+    assert lookup.returncode == 0, lookup.stderr
+    assert lookup.stdout == plain.stdout and "acceptance" in lookup.stderr
+    drafted = leanlm("generate", tiny_dir, "hello world", "--max-tokens", "8", "--threads", "1", "--dtype", "float32",
+                     "--draft", tiny_dir, "--num-speculative", "3")
+    assert drafted.returncode == 0 and drafted.stdout == plain.stdout
+    r = leanlm("bench", tiny_dir, "--prompt-lookup", "2", "--new-tokens", "8", "--threads", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    for key in ("acceptance", "acceptance_per_position", "tokens_per_target_forward", "draft_time_share",
+                "predicted_speedup", "measured_speedup"):
+        assert key in report
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_dir, tmp_path_factory):
+    from tests.conftest import make_hf_model, make_tokenizer
+
+    other = tmp_path_factory.mktemp("other")
+    make_hf_model("llama", other)
+    make_tokenizer(other, vocab_size=100)
+    r = leanlm("generate", tiny_dir, "hello", "--draft", other, "--threads", "1")
+    assert r.returncode == 2 and "tokenizer" in r.stderr and "Traceback" not in r.stderr

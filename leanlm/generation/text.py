@@ -94,3 +94,21 @@ def stream(model: Transformer, tokenizer: Tokenizer, prompt, params: SamplingPar
     for item in stream_rows(model, tokenizer, [prompt], params, chat, compiled):
         if isinstance(item, tuple):
             yield item[1]
+
+
+def stream_speculative(model: Transformer, tokenizer: Tokenizer, prompt, params: SamplingParams, proposer, k: int,
+                       chat: bool = False, stats=None) -> Iterator[str]:
+    """Text pieces of one prompt's completion, decoded speculatively (generation.speculative)."""
+    from leanlm.generation.speculative import speculative_generate
+
+    ids = encode_prompt(tokenizer, prompt, chat)
+    eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
+    row = _Row(ids, params.stop, eos)
+    for tokens in speculative_generate(model, ids, params, proposer, k, eos, stats):
+        for token in tokens:
+            if row.finish_reason is None and (delta := row.add(token, tokenizer)):
+                yield delta
+        if row.finish_reason:
+            return
+    if delta := row._flush(len(row.text)):
+        yield delta

@@ -91,14 +91,18 @@ def generate(
         return
     compiled = CompiledDecoder(net) if compile else None
     if len(prompt) == 1:
-        for piece in stream(net, tok, prompt[0], params, chat, compiled):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+        _print_stream(stream(net, tok, prompt[0], params, chat, compiled))
         return
     for i, c in enumerate(gen(net, tok, prompt, params, chat, compiled)):
         out.rule(f"prompt {i + 1}: {prompt[i][:60]!r}")
         out.print(c.text, highlight=False, markup=False)
+
+
+def _print_stream(pieces) -> None:
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
 
 
 def _load_draft(draft: str, tok, dtype, device, threads):
@@ -116,10 +120,7 @@ def _speculate(net, tok, prompt, params, chat, draft, ngram, k, dtype, device, t
     max_len = len(encode_prompt(tok, prompt, chat)) + params.max_tokens
     proposer, k = make_proposer(net, params, max_len, draft_net, ngram, k)
     stats = SpecStats(k)
-    for piece in stream_speculative(net, tok, prompt, params, proposer, k, chat, stats):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    _print_stream(stream_speculative(net, tok, prompt, params, proposer, k, chat, stats))
     if show_stats:
         d = stats.to_dict()
         err.print(f"K={k} acceptance {d['acceptance']:.1%} (per position "
@@ -273,10 +274,7 @@ def demo(model: Annotated[str, typer.Argument(help="zoo name, directory or .gguf
     prompt = "Write two sentences about why small language models are useful."
     out.rule(f"generate ({model}, chat, greedy)")
     out.print(f"[bold]> {prompt}[/]")
-    for piece in stream(net, tok, prompt, SamplingParams(temperature=0, max_tokens=80), chat=True):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    _print_stream(stream(net, tok, prompt, SamplingParams(temperature=0, max_tokens=80), chat=True))
     out.rule("perplexity on the built-in evaluation text")
     ids = torch.tensor(tok.encode(load_text(None))[:DEFAULT_MAX_TOKENS])
     with Progress(console=err, transient=True) as bar:

@@ -70,6 +70,9 @@ def test_speculative_generate_and_bench(tiny_dir):
     drafted = leanlm("generate", tiny_dir, "hello world", "--max-tokens", "8", "--threads", "1", "--dtype", "float32",
                      "--draft", tiny_dir, "--num-speculative", "3")
     assert drafted.returncode == 0 and drafted.stdout == plain.stdout
+    from tests.conftest import make_hf_model
+
+    make_hf_model("llama", tiny_dir, max_position_embeddings=2048)  # room for the built-in grounded prompts
     r = leanlm("bench", tiny_dir, "--prompt-lookup", "2", "--new-tokens", "8", "--threads", "1", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
@@ -81,8 +84,13 @@ def test_speculative_generate_and_bench(tiny_dir):
 def test_draft_with_another_tokenizer_is_refused(tiny_dir, tmp_path_factory):
     from tests.conftest import make_hf_model, make_tokenizer
 
+    from tokenizers import Tokenizer
+
     other = tmp_path_factory.mktemp("other")
     make_hf_model("llama", other)
-    make_tokenizer(other, vocab_size=100)
+    make_tokenizer(other)
+    tok = Tokenizer.from_file(str(other / "tokenizer.json"))
+    tok.add_tokens(["<extra>"])
+    tok.save(str(other / "tokenizer.json"))
     r = leanlm("generate", tiny_dir, "hello", "--draft", other, "--threads", "1")
     assert r.returncode == 2 and "tokenizer" in r.stderr and "Traceback" not in r.stderr

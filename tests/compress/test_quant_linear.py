@@ -1,0 +1,117 @@
+"""Quantized Linear modules: kernel == dequantize-then-matmul reference, state_dict round trip, bytes per weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from leanlm.compress.quant.linear import FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, _unpack_int4_cpu
+from leanlm.compress.quant.primitives import sqnr_db
+from leanlm.errors import LeanLMError
+
+MODULES = {
+    "w8a16": (W8A16Linear, {}), "w4a16_g32": (W4A16Linear, dict(group_size=32)),
+    "w4a16_g128": (W4A16Linear, dict(group_size=128)), "w8a8": (W8A8Linear, {}),
+    "w8a8_static": (W8A8Linear, dict(act_scale=4.0 / 127)), "fp8": (FP8Linear, {}),
+}
+# relative error of the kernel vs the fp32 product with the dequantized weight: bf16 activations/outputs
+# (~2^-9 per element), int8 activations (~1/127 of the row's max) for W8A8
+REL_TOL = {"w8a8": 3e-2, "w8a8_static": 3e-2}
+
+
+def _linear(K, N, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(K, N, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+    return lin
+
+
+def _rel(y, ref):
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+@pytest.mark.parametrize("M", [1, 7, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_dequantized_reference(name, M, dtype):
+    cls, kw = MODULES[name]
+    lin = _linear(256, 96, seed=M)
+    q = cls.from_float(lin, **kw)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = q(x)
+    assert y.shape == (M, 96) and y.dtype == dtype
+    ref = x.float() @ q.dequantized_weight().T + lin.bias.detach()
+    assert _rel(y, ref) < REL_TOL.get(name, 1e-2)
+    # and the quantized weight is close to the float one
+    assert sqnr_db(lin.weight.detach(), q.dequantized_weight()) > (14 if cls is W4A16Linear else 25)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_leading_dims_and_no_bias(name):
+    cls, kw = MODULES[name]
+    lin = _linear(128, 64, bias=False)
+    q = cls.from_float(lin, **kw)
+    x = torch.randn(2, 3, 128).bfloat16()
+    y = q(x)
+    assert y.shape == (2, 3, 64) and q.bias is None
+    ref = x.float().reshape(6, 128) @ q.dequantized_weight().T
+    assert _rel(y.reshape(6, 64), ref) < REL_TOL.get(name, 1e-2)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_state_dict_round_trip(name, tmp_path):
+    cls, kw = MODULES[name]
+    q = cls.from_float(_linear(128, 64), **kw)
+    torch.save(q.state_dict(), tmp_path / "q.pt")
+    fresh = cls(128, 64, bias=torch.zeros(64), **kw)
+    fresh.load_state_dict(torch.load(tmp_path / "q.pt", weights_only=True))
+    x = torch.randn(5, 128).bfloat16()
+    assert torch.equal(fresh(x), q(x))
+
+
+@pytest.mark.parametrize("name,bytes_per_weight", [("w8a16", 1.0), ("w8a8", 1.0), ("fp8", 1.0),
+                                                   ("w4a16_g32", 0.5), ("w4a16_g128", 0.5)])
+def test_resident_bytes_match_bits(name, bytes_per_weight):
+    cls, kw = MODULES[name]
+    N, K = 256, 512
+    q = cls.from_float(_linear(K, N, bias=False), **kw)
+    total = sum(b.numel() * b.element_size() for b in q.buffers())
+    g = kw.get("group_size")
+    scales = N * (K // g) * 2 * 2 if g else N * q.scales.element_size()  # int4: bf16 (scale, zero) per group
+    assert total == N * K * bytes_per_weight + scales
+    assert total <= 1.1 * (N * K * bytes_per_weight + N * (K // (g or K)) * 4)
+
+
+@pytest.mark.parametrize("N", [16, 48, 64, 80, 192])
+def test_int4_unpack_inverts_kernel_packing(N):
+    q = torch.randint(0, 16, (N, 64), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(_unpack_int4_cpu(packed, N, 64).int(), q)
+
+
+def test_w4a16_bad_shapes_raise():
+    with pytest.raises(LeanLMError, match="group_size=16"):
+        W4A16Linear.from_float(_linear(128, 64), group_size=16)
+    with pytest.raises(LeanLMError, match="does not divide in_features=96"):
+        W4A16Linear.from_float(_linear(96, 64), group_size=64)
+    with pytest.raises(LeanLMError, match="out_features divisible by 16"):
+        W4A16Linear.from_float(_linear(128, 40), group_size=32)
+    with pytest.raises(LeanLMError, match="needs an nn.Linear"):
+        W8A16Linear.from_float(nn.Conv1d(4, 4, 1))
+    with pytest.raises(LeanLMError, match="act_scale"):
+        W8A8Linear.from_float(_linear(128, 64), act_scale=0.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_cuda_matches_reference(name):
+    cls, kw = MODULES[name]
+    lin = _linear(256, 128)
+    q = cls.from_float(lin, **kw).cuda()
+    x = torch.randn(33, 256, device="cuda").bfloat16()
+    ref = x.float() @ q.dequantized_weight().cuda().T + lin.bias.detach().cuda()
+    tol = 5e-2 if cls is FP8Linear else REL_TOL.get(name, 1e-2)  # _scaled_mm quantizes activations to fp8 too
+    assert _rel(q(x), ref) < tol

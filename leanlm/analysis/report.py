@@ -44,8 +44,26 @@ class PeakTensorBytes(TorchDispatchMode):
 
 
 def _count(model: Transformer, *names: str) -> int:
-    params = {id(p): p for n, p in model.named_parameters() if any(s in n for s in names)}
-    return sum(p.numel() for p in params.values())
+    """Parameters under the named modules; a quantized projection counts its in x out (+ bias) weights."""
+    params = {id(p): p.numel() for n, p in model.named_parameters() if any(s in n for s in names)}
+    for n, m in model.named_modules():
+        if hasattr(m, "BITS") and any(s in n + "." for s in names):
+            params[id(m)] = m.in_features * m.out_features + (0 if m.bias is None else m.out_features)
+    return sum(params.values())
+
+
+def _quantized_weight_bytes(model: Transformer, nbytes: int) -> tuple[float, float]:
+    """(formula bytes, parameters) with each quantized projection at its bits per weight, the rest at `nbytes`."""
+    total = params = 0.0
+    quantized = {n for n, m in model.named_modules() if hasattr(m, "BITS")}
+    for n, m in model.named_modules():
+        if n in quantized:
+            total += m.in_features * m.out_features * m.BITS / 8
+            params += m.in_features * m.out_features
+    for n, p in {id(p): (n, p) for n, p in model.named_parameters()}.values():
+        total += p.numel() * nbytes
+        params += p.numel()
+    return total, params
 
 
 @torch.inference_mode()
@@ -76,6 +94,11 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None)
     for name, formula, value, measured in rows:
         mem.add_row(name, formula, f"{value:,}", f"{measured:,}")
     mem.add_row("weights MB", f"params x {nbytes} B", f"{counts.total * nbytes / MB:,.1f}", f"{stored_bytes(model) / MB:,.1f}")
+    if any(hasattr(m, "BITS") for m in model.modules()):
+        formula, params = _quantized_weight_bytes(model, nbytes)
+        mem.add_row("quantized weights MB", "quantized params x bits / 8 + the rest x dtype bytes (no scales)",
+                    f"{formula / MB:,.1f}", f"{stored_bytes(model) / MB:,.1f}")
+        mem.add_row("bits per weight", "", f"{formula * 8 / params:.2f}", f"{stored_bytes(model) * 8 / params:.2f}")
     mem.add_row("read per decode step MB", "weights - untied embedding", f"{counts.read_per_token * nbytes / MB:,.1f}",
                 f"{weight_bytes_read(model) / MB:,.1f}")
     mem.add_row(f"KV cache MB, {batch} x {length}", f"2 x L x kv_heads x head_dim x {nbytes} B x batch x length",

@@ -85,13 +85,22 @@ def leanlm_to_hf(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: Path, dtype: torch.dtype | str = torch.bfloat16, device: str | torch.device = "cpu") -> Transformer:
-    """A Transformer with the weights of a HF directory, in `dtype` on `device`."""
+    """A Transformer with the weights of a HF directory, in `dtype` on `device`.
+
+    A directory written by `leanlm quantize` (it has quantization.json) gets its quantized modules back;
+    their packed weights and scales keep the dtypes their kernels need, everything else takes `dtype`.
+    """
+    from leanlm.compress.quant import format as qformat
+
     cfg = ModelConfig.from_dir(path)
     dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
-    sd = hf_to_leanlm(read_safetensors(path), cfg)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    quantized = qformat.restore_modules(model, path) if qformat.is_quantized(path) else set()
+    sd = read_safetensors(path) if quantized else hf_to_leanlm(read_safetensors(path), cfg)
+    # copy=True: kernels such as _weight_int8pack_mm need their own aligned allocation, not a view into the file
+    sd = {k: v.to(device, copy=True) if any(k.startswith(q) for q in quantized) else v.to(device=device, dtype=dtype)
+          for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if not m.startswith("rope_") and not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:

@@ -39,6 +39,8 @@ def _per_channel_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.
 
 
 class _QuantLinearBase(nn.Module):
+    BITS = 8  # bits per weight, scales not counted
+
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -104,6 +106,7 @@ class W4A16Linear(_QuantLinearBase):
     `aten._weight_int4pack_mm_for_cpu`.  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
 
     GROUP_SIZES = (32, 64, 128)
+    BITS = 4
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: torch.Tensor | None = None):
         super().__init__(in_features, out_features, bias)

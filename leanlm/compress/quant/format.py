@@ -1,0 +1,48 @@
+"""A quantized model on disk: our state dict in safetensors plus quantization.json naming each layer's scheme."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from leanlm.compress.quant.rtn import SCHEMES
+from leanlm.compress.registry import replace
+
+RECORD = "quantization.json"
+COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def is_quantized(path: Path) -> bool:
+    return (Path(path) / RECORD).exists()
+
+
+def save(model, records: dict[str, dict], config, source: Path, out: Path) -> None:
+    """Write weights, the per-layer record and the source's config and tokenizer files into `out`."""
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rope_")}
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight", None)  # the same storage as the embedding
+    save_file(sd, str(out / "model.safetensors"))
+    for name in COPIED:
+        if (Path(source) / name).exists():
+            shutil.copy(Path(source) / name, out / name)
+    record = {"format": "leanlm", "method": config.name, "options": asdict(config),
+              "dtype": str(model.dtype).removeprefix("torch."), "layers": records}
+    (out / RECORD).write_text(json.dumps(record, indent=1))
+
+
+def restore_modules(model, path: Path) -> set[str]:
+    """Swap in empty quantized modules as recorded (on the meta device); return their state-dict prefixes."""
+    layers = json.loads((Path(path) / RECORD).read_text())["layers"]
+    for name, rec in layers.items():
+        linear = model.get_submodule(name)
+        bias = None if linear.bias is None else torch.empty(linear.out_features, device="meta")
+        cls = SCHEMES[rec["scheme"]]
+        extra = (rec["group_size"],) if "group_size" in rec else ()
+        with torch.device("meta"):
+            replace(model, name, cls(linear.in_features, linear.out_features, *extra, bias=bias))
+    return {name + "." for name in layers}

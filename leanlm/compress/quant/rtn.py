@@ -1,0 +1,80 @@
+"""Round-to-nearest weight quantization onto the runtime kernels (W8A16, W4A16, W8A8, FP8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from leanlm.compress.quant.linear import FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear
+from leanlm.compress.registry import decoder_linears, register, replace
+from leanlm.errors import LeanLMError
+
+SCHEMES = {"w8a16": W8A16Linear, "w4a16": W4A16Linear, "w8a8": W8A8Linear, "fp8": FP8Linear}
+
+
+@dataclass(frozen=True)
+class RTN:
+    """bits 8: per-channel int8 weights (W8A16, or W8A8 with act_bits=8); bits 4: int4 groups along K."""
+
+    name: ClassVar[str] = "rtn"
+    bits: int = 8
+    group_size: int = 128
+    act_bits: int = 16
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise LeanLMError(f"rtn supports --bits 4 or 8 on the runtime kernels, got {self.bits}")
+        if self.act_bits not in (8, 16):
+            raise LeanLMError(f"--act-bits must be 8 or 16, got {self.act_bits}")
+        if self.bits == 4 and self.act_bits == 8:
+            raise LeanLMError("W4A8 has no kernel here; use --bits 4 (W4A16) or --bits 8 --act-bits 8 (W8A8)")
+        if self.bits == 4 and self.group_size not in W4A16Linear.GROUP_SIZES:
+            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES} for 4 bits, got {self.group_size}")
+
+    @property
+    def scheme(self) -> str:
+        return "w4a16" if self.bits == 4 else "w8a8" if self.act_bits == 8 else "w8a16"
+
+
+def group_for(in_features: int, group_size: int) -> int:
+    """The requested group size, or the largest supported one below it that divides the layer's K."""
+    for g in sorted((g for g in W4A16Linear.GROUP_SIZES if g <= group_size), reverse=True):
+        if in_features % g == 0:
+            return g
+    raise LeanLMError(f"no int4 group size <= {group_size} divides in_features={in_features}")
+
+
+def quantize_layer(linear, scheme: str, group_size: int = 128):
+    """(quantized module, record) for one nn.Linear."""
+    if scheme == "w4a16":
+        g = group_for(linear.in_features, group_size)
+        return W4A16Linear.from_float(linear, g), {"scheme": scheme, "group_size": g}
+    return SCHEMES[scheme].from_float(linear), {"scheme": scheme}
+
+
+def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None) -> dict[str, dict]:
+    """Replace every decoder projection with its quantized module; {layer name: record}."""
+    records = {}
+    for name, linear in list(decoder_linears(model)):
+        new, records[name] = quantize_layer(linear, scheme, group_size)
+        replace(model, name, new)
+        if progress:
+            progress(name)
+    return records
+
+
+@register(RTN)
+def rtn(model, config: RTN, progress=None) -> dict[str, dict]:
+    return quantize_decoder(model, config.scheme, config.group_size, progress)
+
+
+@dataclass(frozen=True)
+class FP8:
+    """float8 e4m3 weights with per-channel scales."""
+
+    name: ClassVar[str] = "fp8"
+
+
+@register(FP8)
+def fp8(model, config: FP8, progress=None) -> dict[str, dict]:
+    return quantize_decoder(model, "fp8", progress=progress)

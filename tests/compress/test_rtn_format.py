@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from leanlm.compress.quant import format as qformat
+from leanlm.compress.quant.rtn import FP8, RTN
+from leanlm.compress.registry import apply, decoder_linears
+from leanlm.errors import LeanLMError
+from leanlm.models.loading import load_model
+from tests.conftest import make_hf_model
+from tests.test_cli import leanlm
+
+
+@pytest.mark.parametrize("config,bits", [(RTN(8), 8), (RTN(4, 32), 4), (RTN(8, act_bits=8), 8), (FP8(), 8)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantize_save_load_gives_identical_logits(tmp_path, config, bits, arch):
+    make_hf_model(arch, tmp_path / "src")
+    model = load_model(tmp_path / "src", torch.bfloat16)
+    float_bytes = {n: m.weight.numel() for n, m in decoder_linears(model)}
+    records = apply(model, config)
+    assert set(records) == set(float_bytes)
+    out = tmp_path / "q"
+    out.mkdir()
+    qformat.save(model, records, config, tmp_path / "src", out)
+    again = load_model(out, torch.bfloat16)
+    tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(11)[None].expand(2, -1)
+    assert torch.equal(model(tokens, positions), again(tokens, positions))
+    for name, numel in float_bytes.items():  # resident bytes follow the bits per weight (scales included)
+        module = again.get_submodule(name)
+        stored = sum(b.nbytes for n, b in module.named_buffers() if n != "bias")
+        assert numel * bits / 8 <= stored <= 1.1 * numel * bits / 8 + 8 * module.out_features
+
+
+def test_quantized_output_stays_close_to_float(tmp_path):
+    make_hf_model("llama", tmp_path)
+    ref = load_model(tmp_path, torch.bfloat16)
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(16)[None]
+    expected = ref(tokens, positions).float()
+    errors = {}
+    for config in (RTN(8), RTN(4, 32)):
+        model = load_model(tmp_path, torch.bfloat16)
+        apply(model, config)
+        errors[config.bits] = ((model(tokens, positions).float() - expected).norm() / expected.norm()).item()
+    assert errors[8] < 0.02 and errors[8] < errors[4] < 0.3
+
+
+@pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=4, act_bits=8), dict(bits=4, group_size=48), dict(act_bits=4)])
+def test_bad_options(kwargs):
+    with pytest.raises(LeanLMError):
+        RTN(**kwargs)
+
+
+def test_cli_quantize_then_generate(tiny_dir, tmp_path):
+    out = tmp_path / "w4"
+    r = leanlm("quantize", tiny_dir, "--bits", "4", "--group-size", "32", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert (out / "quantization.json").exists() and (out / "tokenizer.json").exists()
+    r = leanlm("generate", out, "hello", "--max-tokens", "4", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    for args, message in [(["--method", "gptq"], "unknown method"), (["--bits", "3"], "--bits 4 or 8")]:
+        r = leanlm("quantize", tiny_dir, *args, "-o", tmp_path / "never")
+        assert r.returncode == 2 and message in r.stderr and not (tmp_path / "never").exists()
+    r = leanlm("quantize", tiny_dir, "-o", out)
+    assert r.returncode == 2 and "already exists" in r.stderr

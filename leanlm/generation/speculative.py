@@ -69,7 +69,7 @@ class SpecStats:
     """What a speculative run did; `acceptance` and `predicted_speedup()` feed the standard formula."""
 
     k: int
-    tokens: int = 0
+    tokens: int = 0  # tokens added by verification forwards (a run's first token comes from the prefill)
     target_forwards: int = 0
     draft_forwards: int = 0
     target_time: float = 0.0
@@ -92,8 +92,7 @@ class SpecStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        """Tokens each verification forward added (the first token comes from the prefill, not counted)."""
-        return (self.tokens - 1) / max(1, self.target_forwards)
+        return self.tokens / max(1, self.target_forwards)
 
     @property
     def cost_ratio(self) -> float:
@@ -207,7 +206,6 @@ def speculative_generate(target: Transformer, prompt: list[int], params: Samplin
     q = probabilities(_forward(target, cache, prompt)[-1:], params)
     first = int(q[0].argmax()) if params.greedy else int(torch.multinomial(q[0], 1, generator=generator))
     seq, produced = list(prompt) + [first], 1
-    stats.tokens += 1
     yield [first]
     while produced < max_new and (params.ignore_eos or seq[-1] not in eos_ids):
         room = min(k, max_new - produced - 1)  # the verification adds one token beyond the accepted ones

@@ -68,11 +68,15 @@ def decode_step_seconds(model, steps: int = 6) -> float:
     model(token, torch.zeros(1, 1, dtype=torch.long, device=model.device), cache)
     best = float("inf")
     for i in range(steps):
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(model.device)
         start = time.perf_counter()
         model(token, torch.tensor([[i + 1]], device=model.device), cache, last_only=True)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(model.device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock timings are real (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -15,6 +15,7 @@ from leanlm.bench.probe import peaks
 from leanlm.generation.compiled import CompiledDecoder
 from leanlm.generation.decode import decode_step, prefill
 from leanlm.models.transformer import Transformer
+from leanlm.runtime import synchronize
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,6 @@ class BenchResult:
         return asdict(self)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
@@ -69,16 +65,16 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_tokens), generator=gen).tolist()
     ttfts, steps = [], []
     for rep in range(warmup + 1):
-        _sync(dev)
+        synchronize(dev)
         start = time.perf_counter()
         logits, cache = prefill(model, prompts, new_tokens)
         tokens = logits.argmax(-1)
-        _sync(dev)
+        synchronize(dev)
         ttfts.append(time.perf_counter() - start)
         for _ in range(new_tokens - 1):
             start = time.perf_counter()
             tokens = step(cache, tokens).argmax(-1)
-            _sync(dev)
+            synchronize(dev)
             if rep == warmup:
                 steps.append(time.perf_counter() - start)
     ttft, tpot = ttfts[-1], statistics.median(steps)

@@ -1,0 +1,85 @@
+"""THE layer-by-layer calibration loop, shared by GPTQ, AWQ, SmoothQuant, LLM.int8() and pruning.
+
+    x = embed(samples)                                  # the first block's inputs  [n, T, d]
+    for each block i:
+        hook every Linear of the block; run the block on x in mini-batches -> stats of each Linear's input
+        remove the hooks; solve(i, block, {name: (linear, stats)})   # may edit weights or replace modules
+        x = block(x)                                    # re-run the *modified* block: the next inputs
+
+Re-running the block after `solve` means block i+1 calibrates on the activations of the already
+compressed blocks 0..i (as GPTQ and SparseGPT do), so errors made early are seen and compensated later.
+
+Cost: one forward pass to collect stats plus one to feed forward, per block (about two model forwards
+in all). Memory: one activation buffer of n x T x d in the model's dtype (the outputs of a mini-batch
+overwrite its own inputs, so inputs and outputs are never both alive in full), plus one mini-batch's
+intermediates and the stats of one block. At the usual 128 x 512 samples (DEFAULT_N_SAMPLES x
+DEFAULT_SEQ_LEN in leanlm.eval.datasets) and d = 576 (SmolLM2-135M) in bfloat16 that is 75 MB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from leanlm.models.layers import Linear
+
+DEFAULT_BATCH_SIZE = 8  # samples per forward; bounds the attention/MLP intermediates, not the stats
+
+
+@torch.no_grad()  # not inference_mode: tensors `solve` creates must stay usable by autograd later (distillation)
+def calibrate(model: nn.Module, samples: torch.Tensor,
+              solve: Callable[[int, nn.Module, dict[str, tuple[Linear, object]]], None],
+              make_stats: Callable[[Linear], object], batch_size: int = DEFAULT_BATCH_SIZE,
+              progress: Callable[[str], None] | None = None) -> dict:
+    """Calibrate `model` (a Transformer) block by block on `samples` [n, T] token ids.
+
+    make_stats(linear) -> an accumulator with `add_batch(x)`; it receives each Linear's inputs as float32
+        rows [batch * T, in_features] (the activations themselves stay in the model's dtype).
+    solve(block_index, block, {name: (linear, stats)}) runs after the stats of a block are complete; names
+        are relative to the model ("layers.3.self_attn.qkv_proj"). It may change weights in place or
+        replace modules (registry.replace); the block is then re-run to produce the next block's inputs.
+    progress(name) is called with "layers.{i}" after each block.
+    Every sample is a full causal window at positions 0..T-1, with no KV cache.
+    Returns {"blocks": number of blocks, "tokens": n * T}.
+    """
+    n, T = samples.shape
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    cos = model.rope_cos[:T][None, :, None].to(dtype)  # [1, T, 1, D], broadcast over the batch
+    sin = model.rope_sin[:T][None, :, None].to(dtype)
+    x = torch.empty(n, T, model.config.hidden_size, dtype=dtype, device=device)
+    batches = [slice(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+    for b in batches:
+        x[b] = model.embed_tokens(samples[b].to(device))
+
+    def run(block: nn.Module, write: bool) -> None:
+        for b in batches:
+            y = block(x[b], cos, sin, None, None, T > 1)
+            if write:
+                x[b] = y  # this mini-batch's inputs are no longer needed
+
+    for i, block in enumerate(model.layers):
+        prefix = f"layers.{i}"
+        linears = {f"{prefix}.{name}": m for name, m in block.named_modules() if isinstance(m, Linear)}
+        stats = {name: make_stats(m) for name, m in linears.items()}
+        hooks = [m.register_forward_hook(_feeder(stats[name])) for name, m in linears.items()]
+        try:
+            run(block, write=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        solve(i, block, {name: (linears[name], stats[name]) for name in linears})
+        del stats, linears  # the block's stats are the solver's to keep or drop
+        run(model.layers[i], write=True)  # solve may have replaced the block's modules, not the block
+        if progress is not None:
+            progress(prefix)
+    return {"blocks": len(model.layers), "tokens": n * T}
+
+
+def _feeder(stats) -> Callable:
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        inp = args[0]
+        stats.add_batch(inp.reshape(-1, inp.shape[-1]).float())
+
+    return hook

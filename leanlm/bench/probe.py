@@ -34,6 +34,7 @@ import torch
 
 from leanlm.errors import LeanLMError
 from leanlm.fetch import cache_dir
+from leanlm.runtime import resolve_device
 
 BANDWIDTH_BYTES = 512 << 20
 MATMUL_START_N = 256
@@ -53,16 +54,10 @@ class Peaks:
 
 
 def _device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise LeanLMError(f"unknown device {device!r}; use 'cpu' or 'cuda'") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise LeanLMError(f"device {device!r} asked for, but torch sees no CUDA device; use 'cpu'")
-        return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-    if dev.type != "cpu":
-        raise LeanLMError(f"the probe measures 'cpu' and 'cuda' devices, not {dev.type!r}")
+    """The runtime's device check, with the CUDA index made explicit (it is part of the cache key)."""
+    dev = resolve_device(str(device))
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

@@ -64,14 +64,14 @@ def test_measure_functions_restore_threads():
 def test_errors():
     with pytest.raises(LeanLMError, match="unknown device"):
         probe.peaks("tpu")
-    with pytest.raises(LeanLMError, match="not 'meta'"):
+    with pytest.raises(LeanLMError, match="unknown device 'meta'"):
         probe.measure_bandwidth("meta")
     with pytest.raises(LeanLMError, match="threads must be at least 1"):
         probe.measure_bandwidth("cpu", threads=0, nbytes=1 << 20)
     with pytest.raises(LeanLMError, match="floating-point dtype"):
         probe.measure_matmul("cpu", torch.int8, max_n=16)
     if not torch.cuda.is_available():
-        with pytest.raises(LeanLMError, match="no CUDA device"):
+        with pytest.raises(LeanLMError, match="no CUDA GPU is available"):
             probe.peaks("cuda")
 
 

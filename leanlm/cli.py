@@ -246,11 +246,17 @@ def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtyp
 @app.command()
 def quantize(
     model: Model,
-    method: Annotated[str, typer.Option(help="rtn (round to nearest) or fp8; more methods land with #3")] = "rtn",
-    bits: Annotated[int, typer.Option(help="weight bits: 8 (per-channel int8) or 4 (int4 groups)")] = 8,
+    method: Annotated[str, typer.Option(help="rtn (round to nearest), gptq (calibrated int4) or fp8")] = "rtn",
+    bits: Annotated[Optional[int], typer.Option(help="weight bits: 8 (per-channel int8) or 4 (int4 groups); "
+                                                    "default: the method's (rtn 8, gptq 4)")] = None,
     group_size: Annotated[int, typer.Option(help="int4 group size along K: 32, 64 or 128 (a layer whose K it "
                                                  "does not divide gets the largest that does)")] = 128,
     act_bits: Annotated[int, typer.Option(help="16: weight-only (W8A16/W4A16); 8: W8A8 with per-token scales")] = 16,
+    act_order: Annotated[bool, typer.Option(help="gptq: quantize columns in order of decreasing Hessian diagonal")] = False,
+    data: Annotated[Optional[Path], typer.Option(help="calibration text file or folder (default: built-in "
+                                                      "calibration split)")] = None,
+    samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
     dtype: DType = "auto",
 ) -> None:
@@ -261,21 +267,26 @@ def quantize(
 
     from leanlm.api import load
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.quant import rtn  # noqa: F401  (registers the methods)
+    from leanlm.compress.quant import gptq, rtn  # noqa: F401  (registers the methods)
     from leanlm.compress.registry import apply, method as method_cls
     from leanlm.fetch import atomic_dir
     from leanlm.models.zoo import resolve
 
     cls = method_cls(method)
-    options = {"bits": bits, "group_size": group_size, "act_bits": act_bits}
-    config = cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+    options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order}
+    config = cls(**{f.name: options[f.name] for f in fields(cls) if options.get(f.name) is not None})
     if output.exists():
         _fail(f"{output} already exists; choose a new output directory")
     source = resolve(model)
-    net, _ = load(source, dtype, "cpu")
+    net, tok = load(source, dtype, "cpu")
+    calibration = None
+    if getattr(config, "needs_data", False):
+        from leanlm.eval.datasets import calibration_samples, load_text
+
+        calibration = calibration_samples(tok.encode(load_text(data, split="calibration")), samples, seq_len)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task(f"{method} {getattr(config, 'scheme', method)}", total=sum(1 for _ in net.layers) * 4)
-        records = apply(net, config, progress=lambda name: bar.advance(task))
+        records = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
     with atomic_dir(output) as tmp:
         qformat.save(net, records, config, source, tmp)
     out.print(f"{model} -> {output} ({method}, {len(records)} layers quantized)")

@@ -14,7 +14,8 @@ _HANDLERS: dict[type, Callable] = {}
 
 
 def register(config_cls: type) -> Callable:
-    """@register(RTN) on `handler(model, config, progress) -> {layer name: record}` makes 'rtn' a method."""
+    """@register(RTN) on `handler(model, config, progress, samples) -> {layer name: record}` makes 'rtn' a
+    method. `samples` [n, T] are calibration token ids, None when the caller has none."""
 
     def decorate(handler: Callable) -> Callable:
         METHODS[config_cls.name] = config_cls
@@ -31,9 +32,11 @@ def method(name: str) -> type:
         raise LeanLMError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}") from None
 
 
-def apply(model: nn.Module, config, progress=None) -> dict[str, dict]:
+def apply(model: nn.Module, config, progress=None, samples=None) -> dict[str, dict]:
     """Run the method of `config` on the model in place; return what each layer became."""
-    return _HANDLERS[type(config)](model, config, progress)
+    if getattr(config, "needs_data", False) and samples is None:
+        raise LeanLMError(f"{config.name} needs calibration data (token ids [n, T]); none was given")
+    return _HANDLERS[type(config)](model, config, progress, samples)
 
 
 def decoder_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:

@@ -58,8 +58,28 @@ def test_cli_quantize_then_generate(tiny_dir, tmp_path):
     assert (out / "quantization.json").exists() and (out / "tokenizer.json").exists()
     r = leanlm("generate", out, "hello", "--max-tokens", "4", "--threads", "1")
     assert r.returncode == 0, r.stderr
-    for args, message in [(["--method", "gptq"], "unknown method"), (["--bits", "3"], "--bits 4 or 8")]:
+    for args, message in [(["--method", "awq"], "unknown method"), (["--method", "gptq", "--bits", "8"], "--bits 4"), (["--bits", "3"], "--bits 4 or 8")]:
         r = leanlm("quantize", tiny_dir, *args, "-o", tmp_path / "never")
         assert r.returncode == 2 and message in r.stderr and not (tmp_path / "never").exists()
     r = leanlm("quantize", tiny_dir, "-o", out)
     assert r.returncode == 2 and "already exists" in r.stderr
+
+
+def test_gptq_method_beats_rtn_on_a_tiny_model(tmp_path):
+    from leanlm.compress.quant.gptq import GPTQ
+
+    make_hf_model("llama", tmp_path, intermediate_size=128)
+    ref = load_model(tmp_path, torch.float32)
+    samples = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(32)[None].expand(4, -1)
+    expected = ref(tokens, positions).float()
+    errors = {}
+    for config in (RTN(4, 32), GPTQ(group_size=32)):
+        model = load_model(tmp_path, torch.float32)
+        records = apply(model, config, samples=samples)
+        assert all(r == {"scheme": "w4a16", "group_size": 32} for r in records.values())
+        errors[config.name] = (model(tokens, positions).float() - expected).norm().item()
+    assert errors["gptq"] < errors["rtn"]
+    with pytest.raises(LeanLMError, match="needs calibration data"):
+        apply(load_model(tmp_path, torch.float32), GPTQ())

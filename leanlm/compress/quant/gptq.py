@@ -5,11 +5,17 @@ Paper: https://arxiv.org/abs/2210.17323 (Frantar et al., Algorithm 1: Cholesky f
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
+from leanlm.compress.calibrate import calibrate
+from leanlm.compress.quant.linear import W4A16Linear
 from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, quantize
+from leanlm.compress.quant.rtn import group_for
+from leanlm.compress.registry import register, replace as replace_module
+from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
 
 
@@ -106,3 +112,42 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
     return W[:, pos], scale, zero
+
+
+@dataclass(frozen=True)
+class GPTQ:
+    """GPTQ onto the W4A16 kernel: int4, asymmetric groups along K (g, or the largest of 64/32 dividing K)."""
+
+    name: ClassVar[str] = "gptq"
+    needs_data: ClassVar[bool] = True
+    bits: int = 4
+    group_size: int = 128
+    act_order: bool = False
+    damp: float = 0.01
+
+    def __post_init__(self):
+        if self.bits != 4:
+            raise LeanLMError(f"gptq runs on the int4 kernel here: --bits 4, got {self.bits}")
+        if self.group_size not in W4A16Linear.GROUP_SIZES:
+            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES}, got {self.group_size}")
+
+
+@register(GPTQ)
+def gptq(model, config: GPTQ, progress=None, samples=None) -> dict[str, dict]:
+    """Calibrate block by block; each projection is solved on its Hessian, then packed for the kernel."""
+    records = {}
+
+    def solve(index, block, linears):
+        for name, (linear, hessian) in linears.items():
+            g = group_for(linear.in_features, config.group_size)
+            spec = QuantSpec(4, symmetric=False, granularity="group", group_size=g)
+            w_q, scale, zero = gptq_quantize(linear.weight.float(), hessian.value, spec, damp=config.damp,
+                                             act_order=config.act_order)
+            linear.weight.data = w_q  # on the grid in float32; the packing below reads its codes back
+            replace_module(model, name, W4A16Linear.from_float(linear, g, qparams=(scale, zero)))
+            records[name] = {"scheme": "w4a16", "group_size": g}
+            if progress:
+                progress(name)
+
+    calibrate(model, samples, solve, lambda linear: Hessian(linear.in_features))
+    return records

@@ -125,12 +125,13 @@ class W4A16Linear(_QuantLinearBase):
                              torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16))
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, group_size: int = 128) -> "W4A16Linear":
+    def from_float(cls, linear: nn.Linear, group_size: int = 128, qparams=None) -> "W4A16Linear":
+        """qparams: (scale, zero) [N, K/g] of a grid found elsewhere (GPTQ), instead of the weight's range."""
         _check_linear(linear, cls.__name__)
         m = cls(linear.in_features, linear.out_features, group_size, _bias(linear))
         w = linear.weight.detach().float().cpu()
         spec = QuantSpec(4, symmetric=False, granularity="group", group_size=group_size)
-        scale, zero = compute_qparams(w, spec)  # [N, K/g]
+        scale, zero = compute_qparams(w, spec) if qparams is None else qparams  # [N, K/g]
         q = quantize(w, scale, zero, spec)  # [N, K] uint8 in [0, 15]
         # Kernel convention: w = (q - 8) * s + zz, ours: w = (q - z) * s  =>  zz = (8 - z) * s.
         sz = torch.stack([scale, (8 - zero.float()) * scale], -1).transpose(0, 1)  # [K/g, N, 2]

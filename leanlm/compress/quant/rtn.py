@@ -64,7 +64,7 @@ def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None) -
 
 
 @register(RTN)
-def rtn(model, config: RTN, progress=None) -> dict[str, dict]:
+def rtn(model, config: RTN, progress=None, samples=None) -> dict[str, dict]:
     return quantize_decoder(model, config.scheme, config.group_size, progress)
 
 
@@ -76,5 +76,5 @@ class FP8:
 
 
 @register(FP8)
-def fp8(model, config: FP8, progress=None) -> dict[str, dict]:
+def fp8(model, config: FP8, progress=None, samples=None) -> dict[str, dict]:
     return quantize_decoder(model, "fp8", progress=progress)

@@ -74,6 +74,7 @@ def generate(
     prompt_lookup: Annotated[Optional[int], typer.Option(help="speculative decoding by prompt lookup with n-grams up "
                                                               "to N (plain --prompt-lookup: 3)")] = None,
     stats: Annotated[bool, typer.Option(help="print speculative-decoding statistics to stderr")] = False,
+    kv_cache: Annotated[str, typer.Option(help="KV cache storage: 16 (the model dtype) or int8 (per token/head)")] = "16",
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Complete PROMPT with MODEL and print the completion (streamed for a single prompt)."""
@@ -90,10 +91,16 @@ def generate(
         _speculate(net, tok, prompt[0], params, chat, draft, prompt_lookup, num_speculative, dtype, device, threads, stats)
         return
     compiled = CompiledDecoder(net) if compile else None
+    if kv_cache not in ("16", "int8"):
+        _fail(f"--kv-cache must be 16 or int8, got {kv_cache!r}")
+    from leanlm.cache.static import StaticCache
+    from leanlm.compress.quant.kv import Int8KVCache
+
+    cache_cls = Int8KVCache if kv_cache == "int8" else StaticCache
     if len(prompt) == 1:
-        _print_stream(stream(net, tok, prompt[0], params, chat, compiled))
+        _print_stream(stream(net, tok, prompt[0], params, chat, compiled, cache_cls))
         return
-    for i, c in enumerate(gen(net, tok, prompt, params, chat, compiled)):
+    for i, c in enumerate(gen(net, tok, prompt, params, chat, compiled, cache_cls)):
         out.rule(f"prompt {i + 1}: {prompt[i][:60]!r}")
         out.print(c.text, highlight=False, markup=False)
 

@@ -33,17 +33,19 @@ def check_fits(model: Transformer, prompt_len: int, max_tokens: int) -> int:
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, prompts: list[list[int]], max_new: int, round_to: int = 1) -> tuple[torch.Tensor, StaticCache]:
+def prefill(model: Transformer, prompts: list[list[int]], max_new: int, round_to: int = 1,
+            cache_cls: type = StaticCache) -> tuple[torch.Tensor, StaticCache]:
     """Run the prompts (left-padded to one length) through the model; return last logits [B, V] and the cache.
 
     round_to: size the cache to a multiple of this, so that a compiled decode step sees few distinct shapes.
+    cache_cls: StaticCache or a drop-in subclass (compress.quant.kv.Int8KVCache).
     """
     longest = max(len(p) for p in prompts)
     slots = min(-(-(longest + max_new) // round_to) * round_to, max(model.config.max_position, longest + max_new))
     pad = torch.tensor([longest - len(p) for p in prompts], device=model.device)
     tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=model.device)
     positions = (torch.arange(longest, device=model.device)[None] - pad[:, None]).clamp(min=0)
-    cache = StaticCache(model.config, len(prompts), slots, model.dtype, model.device, pad=pad)
+    cache = cache_cls(model.config, len(prompts), slots, model.dtype, model.device, pad=pad)
     logits = model(tokens, positions, cache, last_only=True)
     return logits[:, -1], cache
 
@@ -58,17 +60,19 @@ def decode_step(model: Transformer, cache: StaticCache, tokens: torch.Tensor) ->
 
 
 def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingParams,
-                 eos_ids: set[int] = frozenset(), compiled=None) -> Iterator[list[int]]:
+                 eos_ids: set[int] = frozenset(), compiled=None, cache_cls: type = StaticCache) -> Iterator[list[int]]:
     """Yield one list per step with the new token of every row; stop once every row has produced EOS.
 
     `compiled`: a generation.compiled.CompiledDecoder to run the decode steps with (default: eager).
     """
+    if compiled is not None and cache_cls is not StaticCache:
+        raise LeanLMError("the compiled decode step works on the plain KV cache; use --eager with a quantized KV cache")
     step = compiled.decode_step if compiled is not None else partial(decode_step, model)
     max_new = check_fits(model, max(len(p) for p in prompts), params.max_tokens)
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed)
-    logits, cache = prefill(model, prompts, max_new, round_to=256 if compiled is not None else 1)
+    logits, cache = prefill(model, prompts, max_new, round_to=256 if compiled is not None else 1, cache_cls=cache_cls)
     done = [False] * len(prompts)
     for i in range(max_new):
         tokens = sample(logits, params, generator)

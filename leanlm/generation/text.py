@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from leanlm.cache.static import StaticCache
 from leanlm.generation.decode import Completion, generate_ids
 from leanlm.generation.sampling import SamplingParams
 from leanlm.models.transformer import Transformer
@@ -59,12 +60,12 @@ class _Row:
 
 
 def stream_rows(model: Transformer, tokenizer: Tokenizer, prompts: list, params: SamplingParams,
-                chat: bool = False, compiled=None) -> Iterator[tuple[int, str] | list[Completion]]:
+                chat: bool = False, compiled=None, cache_cls: type = StaticCache) -> Iterator[tuple[int, str] | list[Completion]]:
     """Yield (row, new text) as it is generated, then the list of finished Completions."""
     prompt_ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
     rows = [_Row(ids, params.stop, eos) for ids in prompt_ids]
-    for step in generate_ids(model, prompt_ids, params, eos, compiled):
+    for step in generate_ids(model, prompt_ids, params, eos, compiled, cache_cls):
         for i, (row, token) in enumerate(zip(rows, step)):
             if row.finish_reason is None:
                 delta = row.add(token, tokenizer)
@@ -81,17 +82,17 @@ def stream_rows(model: Transformer, tokenizer: Tokenizer, prompts: list, params:
 
 
 def generate(model: Transformer, tokenizer: Tokenizer, prompts: str | list, params: SamplingParams,
-             chat: bool = False, compiled=None) -> list[Completion]:
+             chat: bool = False, compiled=None, cache_cls: type = StaticCache) -> list[Completion]:
     """Complete a batch of prompts (of any lengths) together."""
     prompts = [prompts] if isinstance(prompts, str) else prompts
-    *_, completions = stream_rows(model, tokenizer, prompts, params, chat, compiled)
+    *_, completions = stream_rows(model, tokenizer, prompts, params, chat, compiled, cache_cls)
     return completions
 
 
 def stream(model: Transformer, tokenizer: Tokenizer, prompt, params: SamplingParams, chat: bool = False,
-           compiled=None) -> Iterator[str]:
+           compiled=None, cache_cls: type = StaticCache) -> Iterator[str]:
     """Text pieces of one prompt's completion as they are generated."""
-    for item in stream_rows(model, tokenizer, [prompt], params, chat, compiled):
+    for item in stream_rows(model, tokenizer, [prompt], params, chat, compiled, cache_cls):
         if isinstance(item, tuple):
             yield item[1]
 

@@ -91,3 +91,19 @@ def test_nbytes_is_int8_plus_scales():
     assert ours.nbytes == bf16 // 2 + scales
     assert 0.5 <= ours.nbytes / bf16 <= 0.55  # 68 bytes per (token, head) vs 128
     assert 0.25 <= ours.nbytes / StaticCache(cfg, 2, 100, torch.float32).nbytes <= 0.275
+
+
+def test_generation_with_the_int8_cache(tiny_dir):
+    from leanlm.errors import LeanLMError
+    from leanlm.generation.compiled import CompiledDecoder
+    from leanlm.generation.sampling import SamplingParams
+    from leanlm.generation.text import generate
+    from leanlm.tokenizer import Tokenizer
+
+    model, tok = load_model(tiny_dir, torch.float32), Tokenizer(tiny_dir)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = generate(model, tok, ["hello world", "the quick"], params)
+    int8 = generate(model, tok, ["hello world", "the quick"], params, cache_cls=Int8KVCache)
+    assert [c.tokens for c in int8] == [c.tokens for c in plain]
+    with pytest.raises(LeanLMError, match="plain KV cache"):
+        generate(model, tok, "hello", params, compiled=CompiledDecoder(model), cache_cls=Int8KVCache)

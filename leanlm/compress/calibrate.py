@@ -45,9 +45,8 @@ def calibrate(model: nn.Module, samples: torch.Tensor,
     Returns {"blocks": number of blocks, "tokens": n * T}.
     """
     n, T = samples.shape
-    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-    cos = model.rope_cos[:T][None, :, None].to(dtype)  # [1, T, 1, D], broadcast over the batch
-    sin = model.rope_sin[:T][None, :, None].to(dtype)
+    device, dtype = model.device, model.dtype
+    cos, sin = model.rope(torch.arange(T, device=device)[None])  # [1, T, 1, D], broadcast over the batch
     x = torch.empty(n, T, model.config.hidden_size, dtype=dtype, device=device)
     batches = [slice(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
     for b in batches:

@@ -31,12 +31,16 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the rotary embedding at these positions, in the model dtype  # [B, T] -> [B, T, 1, D]"""
+        return (self.rope_cos[positions].unsqueeze(2).to(self.dtype),
+                self.rope_sin[positions].unsqueeze(2).to(self.dtype))
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
         """tokens, positions [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only)."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens)
-        cos = self.rope_cos[positions].unsqueeze(2).to(x.dtype)  # [B, T, 1, D]
-        sin = self.rope_sin[positions].unsqueeze(2).to(x.dtype)
+        cos, sin = self.rope(positions)
         mask, is_causal = (None, T > 1) if cache is None else cache.attention_mask(T)
         for block in self.layers:
             x = block(x, cos, sin, cache, mask, is_causal)

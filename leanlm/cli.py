@@ -224,11 +224,11 @@ def bench(
 def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtype, device, threads) -> None:
     from leanlm.bench.speculative import CODE_PROMPTS, compare, grounded_prompts
     from leanlm.generation.sampling import SamplingParams
-    from leanlm.generation.speculative import DraftProposer, LookupProposer, make_proposer
+    from leanlm.generation.speculative import DraftProposer, LookupProposer, resolve_k
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     draft_net = _load_draft(draft, tok, dtype, device, threads) if draft else None
-    _, k = make_proposer(net, params, 16, draft_net, ngram, k)
+    k = resolve_k(net, draft_net, k)
     if draft_net is not None:
         prompts, factory = CODE_PROMPTS, lambda max_len: DraftProposer(draft_net, max_len + k + 1, params)
     else:

@@ -174,23 +174,31 @@ class LookupProposer:
         pass
 
 
-def make_proposer(target: Transformer, params: SamplingParams, max_len: int, draft: Transformer | None = None,
-                  ngram: int | None = None, k: int | None = None, reference: list[int] | None = None):
-    """(proposer, K) for a run. Default K: for a draft, the K in 1..8 that maximises the predicted speedup
+def resolve_k(target: Transformer, draft: Transformer | None, k: int | None) -> int:
+    """K for a run: as given, or by default for a draft the K in 1..8 that maximises the predicted speedup
     with c measured by timing one decode step of each model and a prior acceptance of 0.7; for prompt
     lookup, 8 (its proposals cost nothing, c = 0)."""
     if k is not None and not 0 <= k <= 32:
         raise LeanLMError(f"--num-speculative must be between 0 and 32, got {k}")
-    if draft is not None:
-        from leanlm.runtime import decode_step_seconds
+    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+        raise LeanLMError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                          f"({target.config.vocab_size}); a draft must share the target's tokenizer")
+    if k is not None:
+        return k
+    if draft is None:
+        return MAX_K
+    from leanlm.runtime import decode_step_seconds
 
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise LeanLMError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                              f"({target.config.vocab_size}); a draft must share the target's tokenizer")
-        if k is None:
-            k = choose_k(decode_step_seconds(draft) / decode_step_seconds(target))
+    return choose_k(decode_step_seconds(draft) / decode_step_seconds(target))
+
+
+def make_proposer(target: Transformer, params: SamplingParams, max_len: int, draft: Transformer | None = None,
+                  ngram: int | None = None, k: int | None = None, reference: list[int] | None = None):
+    """(proposer, K) for a run of at most max_len tokens; K from resolve_k."""
+    k = resolve_k(target, draft, k)
+    if draft is not None:
         return DraftProposer(draft, max_len + k + 1, params), k
-    return LookupProposer(reference, ngram or 3), MAX_K if k is None else k
+    return LookupProposer(reference, ngram or 3), k
 
 
 @torch.inference_mode()

@@ -61,37 +61,37 @@ def _scored_logits(model: Transformer, ids: torch.Tensor, begin: int, end: int, 
 
 
 @torch.inference_mode()
-def perplexity(model: Transformer, ids: torch.Tensor, window: int = DEFAULT_WINDOW, stride: int = DEFAULT_STRIDE,
-               progress=None) -> PerplexityResult:
-    """Perplexity of `model` on a token stream ids [N] (see the module docstring for the windowing)."""
-    window = min(window, model.config.max_position)
-    total, count = 0.0, 0
-    spans = list(windows(len(ids), window, min(stride, window)))
-    for begin, end, first in spans:
+def score(model: Transformer, ids: torch.Tensor, reference: Transformer | None = None, window: int = DEFAULT_WINDOW,
+          stride: int = DEFAULT_STRIDE, progress=None) -> tuple[PerplexityResult, Agreement | None]:
+    """Perplexity of `model` on a token stream ids [N] (see the module docstring for the windowing) and, with a
+    reference, in the same pass: mean KL(reference || model) and top-1 agreement."""
+    window = min(window, model.config.max_position, reference.config.max_position if reference else window)
+    nll, kl, same, count = 0.0, 0.0, 0, 0
+    for begin, end, first in windows(len(ids), window, min(stride, window)):
         logits, targets = _scored_logits(model, ids, begin, end, first)
-        total += F.cross_entropy(logits, targets, reduction="sum").item()
+        nll += F.cross_entropy(logits, targets, reduction="sum").item()
         count += len(targets)
+        if reference is not None:
+            logp = logits.log_softmax(-1)
+            logq = _scored_logits(reference, ids, begin, end, first)[0].log_softmax(-1)
+            kl += (logq.exp() * (logq - logp)).sum().item()
+            same += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
         if progress:
             progress(len(targets))
-    return PerplexityResult(math.exp(total / count), total / count, count)
+    agree = None if reference is None else Agreement(kl / count, same / count, count)
+    return PerplexityResult(math.exp(nll / count), nll / count, count), agree
 
 
-@torch.inference_mode()
+def perplexity(model: Transformer, ids: torch.Tensor, window: int = DEFAULT_WINDOW, stride: int = DEFAULT_STRIDE,
+               progress=None) -> PerplexityResult:
+    """Perplexity of `model` on a token stream ids [N]."""
+    return score(model, ids, None, window, stride, progress)[0]
+
+
 def agreement(model: Transformer, reference: Transformer, ids: torch.Tensor, window: int = DEFAULT_WINDOW,
               stride: int = DEFAULT_STRIDE, progress=None) -> Agreement:
     """How closely `model` follows `reference` on the same tokens: mean KL and top-1 agreement."""
-    window = min(window, model.config.max_position, reference.config.max_position)
-    kl_sum, same, count = 0.0, 0, 0
-    for begin, end, first in windows(len(ids), window, min(stride, window)):
-        logp, targets = _scored_logits(model, ids, begin, end, first)
-        logq, _ = _scored_logits(reference, ids, begin, end, first)
-        logp, logq = logp.log_softmax(-1), logq.log_softmax(-1)
-        kl_sum += (logq.exp() * (logq - logp)).sum().item()
-        same += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
-        count += len(targets)
-        if progress:
-            progress(len(targets))
-    return Agreement(kl_sum / count, same / count, count)
+    return score(model, ids, reference, window, stride, progress)[1]
 
 
 def scored_tokens(n: int, window: int = DEFAULT_WINDOW, stride: int = DEFAULT_STRIDE) -> int:

@@ -32,7 +32,7 @@ DEFAULT_BATCH_SIZE = 8  # samples per forward; bounds the attention/MLP intermed
 def calibrate(model: nn.Module, samples: torch.Tensor,
               solve: Callable[[int, nn.Module, dict[str, tuple[Linear, object]]], None],
               make_stats: Callable[[Linear], object], batch_size: int = DEFAULT_BATCH_SIZE,
-              progress: Callable[[str], None] | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, sequential: bool = False) -> dict:
     """Calibrate `model` (a Transformer) block by block on `samples` [n, T] token ids.
 
     make_stats(linear) -> an accumulator with `add_batch(x)`; it receives each Linear's inputs as float32
@@ -41,6 +41,9 @@ def calibrate(model: nn.Module, samples: torch.Tensor,
         are relative to the model ("layers.3.self_attn.qkv_proj"). It may change weights in place or
         replace modules (registry.replace); the block is then re-run to produce the next block's inputs.
     progress(name) is called with "layers.{i}" after each block.
+    sequential: solve the block's Linears one at a time in forward order (qkv, o, gate_up, down), each on
+        inputs that come through the already-solved ones ("true sequential" in the GPTQ reference code);
+        costs one block forward per Linear instead of one per block.
     Every sample is a full causal window at positions 0..T-1, with no KV cache.
     Returns {"blocks": number of blocks, "tokens": n * T}.
     """
@@ -61,15 +64,16 @@ def calibrate(model: nn.Module, samples: torch.Tensor,
     for i, block in enumerate(model.layers):
         prefix = f"layers.{i}"
         linears = {f"{prefix}.{name}": m for name, m in block.named_modules() if isinstance(m, Linear)}
-        stats = {name: make_stats(m) for name, m in linears.items()}
-        hooks = [m.register_forward_hook(_feeder(stats[name])) for name, m in linears.items()]
-        try:
-            run(block, write=False)
-        finally:
-            for h in hooks:
-                h.remove()
-        solve(i, block, {name: (linears[name], stats[name]) for name in linears})
-        del stats, linears  # the block's stats are the solver's to keep or drop
+        for group in [[name] for name in linears] if sequential else [list(linears)]:
+            stats = {name: make_stats(linears[name]) for name in group}
+            hooks = [linears[name].register_forward_hook(_feeder(stats[name])) for name in group]
+            try:
+                run(block, write=False)
+            finally:
+                for h in hooks:
+                    h.remove()
+            solve(i, block, {name: (linears[name], stats[name]) for name in group})
+            del stats  # the stats are the solver's to keep or drop
         run(model.layers[i], write=True)  # solve may have replaced the block's modules, not the block
         if progress is not None:
             progress(prefix)

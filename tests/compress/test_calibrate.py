@@ -118,3 +118,26 @@ def test_noop_calibration_leaves_model_unchanged_and_batching_does_not_matter(mo
         assert torch.equal(model(tokens, positions), before)
     assert_same_stats(one, eight)
     assert_same_stats(everything, eight)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_sequential_solves_each_linear_on_inputs_through_the_solved_ones(model_dir, sequential):
+    # Zeroing qkv_proj makes the attention output (o_proj's input) exactly zero; only a sequential
+    # calibration collects o_proj's inputs after that edit.
+    model = load_model(model_dir, torch.float32)
+    order, o_rows = [], []
+
+    def solve(index, block, linears):
+        order.append(list(linears))
+        for name, (linear, stats) in linears.items():
+            if name.endswith("qkv_proj"):
+                linear.weight.zero_()
+            if name.endswith("o_proj"):
+                o_rows.append(stats.sum.abs().max().item())
+
+    calibrate(model, samples(), solve, XtX, sequential=sequential)
+    blocks = model.config.num_layers
+    assert len(order) == (4 * blocks if sequential else blocks)
+    assert [n.rsplit(".", 1)[1] for n in sum(order[:4 if sequential else 1], [])] == ["qkv_proj", "o_proj",
+                                                                                       "gate_up_proj", "down_proj"]
+    assert (max(o_rows) == 0) == sequential

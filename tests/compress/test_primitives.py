@@ -126,3 +126,17 @@ def test_bad_specs_raise(kwargs, match):
 def test_group_size_must_divide_k():
     with pytest.raises(LeanLMError, match=r"group_size=128 does not divide K=96.*\[32\]"):
         fake_quantize(torch.randn(4, 96), QuantSpec(4, False, "group", 128))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, False, "group", 32), QuantSpec(4, True, "channel"),
+                                  QuantSpec(3, False, "tensor"), QuantSpec(8, True, "channel")])
+def test_searched_grid_is_never_worse_per_block_and_better_overall(spec):
+    from leanlm.compress.quant.primitives import _blocks, search_qparams
+
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
+
+    def block_err(scale, zero):  # squared error of each quantization block
+        return (_blocks(dequantize(quantize(w, scale, zero, spec), scale, zero, spec) - w, spec)).square().sum(-1)
+
+    plain, searched = block_err(*compute_qparams(w, spec)), block_err(*search_qparams(w, spec, norm=2.0))
+    assert (searched <= plain).all() and searched.sum() < plain.sum()

@@ -6,7 +6,7 @@ Integer matmul derivation: https://arxiv.org/abs/1712.05877 (Jacob et al., secti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -98,6 +98,25 @@ def compute_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, tor
         zero = (spec.qmin - lo / scale).round().clamp(spec.qmin, spec.qmax).to(torch.int32)
     shape = _params_shape(x, spec)
     return scale.reshape(shape), zero.reshape(shape)
+
+
+def search_qparams(x: torch.Tensor, spec: QuantSpec, steps: int = 20, max_shrink: float = 0.2,
+                   norm: float = 2.4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like compute_qparams, but each block's range is shrunk by the clip ratio in 1, ..., 1 - max_shrink
+    (`steps` points) that minimises sum |x - dequantize(quantize(x))|^norm over the block: clipping a few
+    large values buys a finer grid for all the others (the grid search of the GPTQ reference code).
+    The ratio is chosen per block, so the result is not a single QuantSpec.clip."""
+    best_scale, best_zero = compute_qparams(x, spec)
+    xb = _blocks(x.detach().float(), spec)
+    best_err = torch.full(xb.shape[:-1], math.inf, device=x.device)
+    for i in range(steps):
+        ratio = 1.0 - max_shrink * i / max(steps - 1, 1)
+        s, z = compute_qparams(x, replace(spec, clip=spec.clip * ratio))
+        err = (_blocks(dequantize(quantize(x, s, z, spec), s, z, spec), spec) - xb).abs_().pow_(norm).sum(-1)
+        better = (err < best_err).reshape(s.shape)
+        best_scale, best_zero = torch.where(better, s, best_scale), torch.where(better, z, best_zero)
+        best_err = torch.minimum(err, best_err)
+    return best_scale, best_zero
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

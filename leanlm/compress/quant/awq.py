@@ -1,0 +1,193 @@
+"""AWQ as pure math: scale each input channel of a weight by s = mean|x|^alpha before int4 rounding (salient
+channels, those with large activations, get a finer grid), fold 1/s into the op that produces the input, then
+shrink each group's range where that lowers the output error.
+
+Paper: https://arxiv.org/abs/2306.00978 (Lin et al.; section 3.2, scale search; clipping as in the reference
+code's auto_clip). Every error here is the layer-output error over all calibration rows,
+mean_rows ||x (W - W_hat)^T||^2 = tr(D H D^T) / 2 with D = W - W_hat and GPTQ's Hessian H = 2 X^T X / rows, so a
+candidate costs one [N, K] x [K, K] product instead of a pass over sampled rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from leanlm.compress.calibrate import calibrate
+from leanlm.compress.quant.linear import W4A16Linear
+from leanlm.compress.quant.primitives import QuantSpec, fake_quantize
+from leanlm.compress.quant.rtn import group_for
+from leanlm.compress.registry import register, replace as replace_module
+from leanlm.compress.stats import Hessian
+from leanlm.errors import LeanLMError
+
+CLIP_GRID, MAX_SHRINK = 20, 0.5  # clip ratios 1.0, 0.95, ..., 0.55, as the reference
+FOLDABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class AWQStats(Hessian):
+    """The Hessian 2 X^T X / rows (the output error of any candidate weight) plus the per-input-channel mean |x|
+    (AWQ's salience). Memory K^2 + K float64, whatever the number of rows."""
+
+    def __init__(self, K: int, device: torch.device | str | None = None):
+        super().__init__(K, device)
+        self._abs_sum = torch.zeros(K, dtype=torch.float64, device=device)
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        """Accumulate x [..., K]."""
+        super().add_batch(x)  # checks the shape
+        self._abs_sum += x.detach().reshape(-1, self.K).abs().sum(0, dtype=torch.float64).to(self._abs_sum.device)
+
+    @property
+    def x_mean(self) -> torch.Tensor:
+        """mean_rows |x_j| as float32  # [K]"""
+        self._check_seen()
+        return (self._abs_sum / self.rows).float()
+
+
+def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """Mean squared output error per element, mean over rows and outputs of (x W^T - x W_hat^T)^2, from
+    H = 2 X^T X / rows.  W, W_hat [N, K]; H [K, K]"""
+    D = (W - W_hat).float()
+    return ((D @ H) * D).sum().item() / (2 * W.shape[0])
+
+
+def search_scale(W: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, spec: QuantSpec,
+                 grid: int = 20) -> tuple[torch.Tensor, float]:
+    """The per-input-channel scale s = mean|x|^alpha, alpha in {0, 1/grid, ..., (grid-1)/grid}, whose rounding
+    fake_quantize(W * s) / s has the least output error, and that error (https://arxiv.org/abs/2306.00978).
+    alpha = 0 is s = 1, plain round-to-nearest, so the result is never worse than RTN on the calibration data.
+    W [N, K]; H [K, K]; x_mean [K] -> s [K] float32"""
+    W, H, x_mean = W.float(), H.float().to(W.device), x_mean.float().to(W.device)
+    best_s, best_err = torch.ones_like(x_mean), float("inf")
+    for i in range(grid):
+        s = x_mean.pow(i / grid).clamp(min=1e-4)  # the reference's floor: a dead channel is not blown up
+        s = s / (s.max() * s.min()).sqrt()  # centre the range around 1 (a common factor changes nothing else)
+        err = output_error(W, fake_quantize(W * s, spec) / s, H)
+        if err < best_err:
+            best_s, best_err = s, err
+    return best_s, best_err
+
+
+def search_clip(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, grid: int = CLIP_GRID,
+                max_shrink: float = MAX_SHRINK) -> torch.Tensor:
+    """W with each (row, group) clamped to +-r * max|w|, r in {1, 1 - 1/grid, ...} > 1 - max_shrink, picked
+    per (row, group) for the least error of that group's share of the output; r = 1 (no clipping) is a
+    candidate, so no group gets worse. A group's share only needs H's diagonal block of that group.
+    W [N, K]; H [K, K] -> [N, K] float32"""
+    if spec.granularity not in ("group", "channel"):
+        raise LeanLMError(f"search_clip clips rows or groups of a weight; granularity={spec.granularity!r} "
+                          "is neither")
+    spec.check(W)
+    N, K = W.shape
+    g = spec.group_size if spec.granularity == "group" else K
+    G = K // g
+    Wg = W.float().reshape(N, G, g)
+    Hb = H.float().to(W.device).reshape(G, g, G, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [G, g, g]
+    amax = Wg.abs().amax(-1, keepdim=True)  # [N, G, 1]
+    best, best_err = amax, torch.full((N, G), float("inf"), device=W.device)
+    for i in range(int(max_shrink * grid)):
+        bound = amax * (1 - i / grid)
+        Wq = fake_quantize(Wg.clamp(-bound, bound).reshape(N, K), spec).reshape(N, G, g)
+        D = (Wg - Wq).transpose(0, 1)  # [G, N, g]
+        err = ((D @ Hb) * D).sum(-1).T  # [N, G]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better[..., None], bound, best)
+    return Wg.clamp(-best, best).reshape(N, K)
+
+
+def _mul_(p: torch.Tensor, factor: torch.Tensor, rows: slice = slice(None)) -> None:
+    """p[rows] *= factor, computed in float32 and stored back in p's dtype."""
+    p.data[rows] = (p.data[rows].float() * factor).to(p.dtype)
+
+
+def apply_scales(block: nn.Module, scales: dict[str, torch.Tensor]) -> None:
+    """Fold input-channel scales into a decoder Block, an exact rewrite up to the parameters' rounding: the
+    weight columns of each named projection times s, what produces its input divided by s.
+    scales: {"self_attn.qkv_proj" | "self_attn.o_proj" | "mlp.gate_up_proj" | "mlp.down_proj": s [K]}"""
+    attn, mlp = block.self_attn, block.mlp
+    unknown = set(scales) - set(FOLDABLE)
+    if unknown:
+        raise LeanLMError(f"AWQ has no input to fold a scale of {sorted(unknown)} into; use {FOLDABLE}")
+    if "self_attn.o_proj" in scales and attn.n_kv != attn.n_heads:
+        raise LeanLMError("AWQ cannot fold an o_proj scale into v under grouped-query attention "
+                          f"({attn.n_heads} query heads share {attn.n_kv} value heads); leave o_proj unscaled")
+    v_rows = slice((attn.n_heads + attn.n_kv) * attn.head_dim, None)
+    for name, s in scales.items():
+        _mul_(block.get_submodule(name).weight, s[None, :])
+        if name == "self_attn.qkv_proj":
+            _mul_(block.input_layernorm.weight, 1 / s)
+        elif name == "mlp.gate_up_proj":
+            _mul_(block.post_attention_layernorm.weight, 1 / s)
+        elif name == "mlp.down_proj":  # down's input is silu(gate) * up: scaling the up rows scales it exactly
+            _mul_(mlp.gate_up_proj.weight, 1 / s[:, None], slice(mlp.gate_up_proj.out_features // 2, None))
+        else:  # o_proj's input is softmax-weighted sums of v rows: scale those rows (and their bias)
+            _mul_(attn.qkv_proj.weight, 1 / s[:, None], v_rows)
+            if attn.qkv_proj.bias is not None:
+                _mul_(attn.qkv_proj.bias, 1 / s, v_rows)
+
+
+@dataclass(frozen=True)
+class AWQ:
+    """AWQ onto the W4A16 kernel: int4, asymmetric groups along K (g, or the largest of 64/32 dividing K)."""
+
+    name: ClassVar[str] = "awq"
+    needs_data: ClassVar[bool] = True
+    bits: int = 4
+    group_size: int = 128
+    grid: int = 20  # alpha candidates i / grid, i < grid
+    clip: bool = True
+
+    def __post_init__(self):
+        if self.bits != 4:
+            raise LeanLMError(f"awq runs on the int4 kernel here: --bits 4, got {self.bits}")
+        if self.group_size not in W4A16Linear.GROUP_SIZES:
+            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES}, got {self.group_size}")
+        if not isinstance(self.grid, int) or self.grid < 1:
+            raise LeanLMError(f"awq grid={self.grid!r} is invalid; use a positive number of alpha points such as 20")
+
+
+@register(AWQ)
+def awq(model, config: AWQ, progress=None, samples=None) -> dict[str, dict]:
+    """Calibrate block by block: search every scale on the unmodified block, fold them all, then clip and pack
+    each projection for the kernel."""
+    records = {}
+
+    def solve(index, block, linears):
+        prefix = f"layers.{index}."
+        attn = block.self_attn
+        specs = {name: QuantSpec(4, symmetric=False, granularity="group",
+                                 group_size=group_for(linear.in_features, config.group_size))
+                 for name, (linear, _) in linears.items()}
+        Hs = {name: stats.value for name, (_, stats) in linears.items()}
+        scaled = ["self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+        if attn.n_kv == attn.n_heads:  # under GQA o_proj's input has no exact place to take 1/s
+            scaled.append("self_attn.o_proj")
+        scales = {}
+        for short in scaled:
+            linear, stats = linears[prefix + short]
+            scales[short], _ = search_scale(linear.weight, Hs[prefix + short], stats.x_mean, specs[prefix + short],
+                                            config.grid)
+        apply_scales(block, scales)
+        for short, s in scales.items():
+            s = s.to(Hs[prefix + short].device)
+            Hs[prefix + short] = Hs[prefix + short] / s[:, None] / s[None, :]  # the inputs are now x / s
+        for name, (linear, _) in linears.items():
+            if config.clip:
+                # q and k feed a softmax that a linear output error does not model: the reference leaves them.
+                rows = slice((attn.n_heads + attn.n_kv) * attn.head_dim, None) if name.endswith("qkv_proj") \
+                    else slice(None)
+                w = linear.weight.detach().float().clone()
+                w[rows] = search_clip(w[rows], Hs[name], specs[name])
+                linear.weight.data = w  # float32; the packing below takes its grid from these values
+            g = specs[name].group_size
+            replace_module(model, name, W4A16Linear.from_float(linear, g))
+            records[name] = {"scheme": "w4a16", "group_size": g}
+            if progress:
+                progress(name)
+
+    calibrate(model, samples, solve, lambda linear: AWQStats(linear.in_features))
+    return records

@@ -83,3 +83,44 @@ def test_gptq_method_beats_rtn_on_a_tiny_model(tmp_path):
     assert errors["gptq"] < errors["rtn"]
     with pytest.raises(LeanLMError, match="needs calibration data"):
         apply(load_model(tmp_path, torch.float32), GPTQ())
+
+
+def _save_and_reload(tmp_path, model, records, config):
+    out = tmp_path / "q"
+    out.mkdir()
+    qformat.save(model, records, config, tmp_path / "src", out)
+    return out, load_model(out, torch.bfloat16)
+
+
+def test_static_w8a8_round_trips_its_act_scale(tmp_path):
+    from leanlm.compress.quant.linear import W8A8Linear
+    from leanlm.compress.registry import replace
+
+    make_hf_model("llama", tmp_path / "src")
+    model = load_model(tmp_path / "src", torch.bfloat16)
+    records = {}
+    for name, linear in list(decoder_linears(model)):
+        new = W8A8Linear.from_float(linear, act_scale=0.03)
+        replace(model, name, new)
+        records[name] = new.record()
+    assert all(r["act_scale"] == pytest.approx(0.03) for r in records.values())
+    _, again = _save_and_reload(tmp_path, model, records, RTN(8, act_bits=8))
+    assert all(float(again.get_submodule(n).act_scale) == float(model.get_submodule(n).act_scale) for n in records)
+    tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(11)[None].expand(2, -1)
+    assert torch.equal(model(tokens, positions), again(tokens, positions))
+
+
+@pytest.mark.parametrize("layer_record,message", [({"scheme": "w3a3"}, "unknown scheme 'w3a3'"),
+                                                  ({"scheme": "w8a16", "group_size": 64}, "does not take")])
+def test_bad_records_raise(tmp_path, layer_record, message):
+    import json
+
+    make_hf_model("llama", tmp_path / "src")
+    model = load_model(tmp_path / "src", torch.bfloat16)
+    out, _ = _save_and_reload(tmp_path, model, apply(model, RTN(8)), RTN(8))
+    record = json.loads((out / qformat.RECORD).read_text())
+    record["layers"]["layers.0.mlp.down_proj"] = layer_record
+    (out / qformat.RECORD).write_text(json.dumps(record))
+    with pytest.raises(LeanLMError, match=message):
+        load_model(out, torch.bfloat16)

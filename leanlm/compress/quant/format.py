@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from leanlm.compress.quant.rtn import SCHEMES
+from leanlm.compress.quant.linear import SCHEMES
 from leanlm.compress.registry import replace
+from leanlm.errors import LeanLMError
 
 RECORD = "quantization.json"
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -36,13 +37,21 @@ def save(model, records: dict[str, dict], config, source: Path, out: Path) -> No
 
 
 def restore_modules(model, path: Path) -> set[str]:
-    """Swap in empty quantized modules as recorded (on the meta device); return their state-dict prefixes."""
+    """Swap in empty quantized modules as recorded (on the meta device); return their state-dict prefixes.
+    A record is {"scheme": name, **options}: the options are the module's constructor keyword arguments."""
     layers = json.loads((Path(path) / RECORD).read_text())["layers"]
     for name, rec in layers.items():
         linear = model.get_submodule(name)
         bias = None if linear.bias is None else torch.empty(linear.out_features, device="meta")
-        cls = SCHEMES[rec["scheme"]]
-        extra = (rec["group_size"],) if "group_size" in rec else ()
-        with torch.device("meta"):
-            replace(model, name, cls(linear.in_features, linear.out_features, *extra, bias=bias))
+        options = {k: v for k, v in rec.items() if k != "scheme"}
+        cls = SCHEMES.get(rec.get("scheme"))
+        if cls is None:
+            raise LeanLMError(f"{path}/{RECORD}: layer {name} has unknown scheme {rec.get('scheme')!r}; "
+                              f"this leanlm reads {', '.join(SCHEMES)}")
+        try:
+            with torch.device("meta"):
+                replace(model, name, cls(linear.in_features, linear.out_features, bias=bias, **options))
+        except TypeError:
+            raise LeanLMError(f"{path}/{RECORD}: layer {name} has options {options} that {rec['scheme']} "
+                              "does not take; re-quantize with this leanlm") from None
     return {name + "." for name in layers}

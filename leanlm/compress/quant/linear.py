@@ -40,6 +40,7 @@ def _per_channel_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.
 
 class _QuantLinearBase(nn.Module):
     BITS = 8  # bits per weight, scales not counted
+    SCHEME = ""  # its name in quantization.json (SCHEMES below)
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -57,12 +58,22 @@ class _QuantLinearBase(nn.Module):
         y = F.linear(x.reshape(-1, self.in_features), self.dequantized_weight().to(x.dtype))
         return self._finish(y, x)
 
+    def options(self) -> dict:
+        """Constructor keyword options beyond the shape and bias (what quantization.json must carry)."""
+        return {}
+
+    def record(self) -> dict:
+        """This layer's entry in quantization.json: `cls(K, N, bias=..., **options)` rebuilds it empty."""
+        return {"scheme": self.SCHEME, **self.options()}
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class W8A16Linear(_QuantLinearBase):
     """int8 per-channel symmetric weights, 16-bit activations; CPU kernel `aten._weight_int8pack_mm` in bf16."""
+
+    SCHEME = "w8a16"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None):
         super().__init__(in_features, out_features, bias)
@@ -107,6 +118,7 @@ class W4A16Linear(_QuantLinearBase):
 
     GROUP_SIZES = (32, 64, 128)
     BITS = 4
+    SCHEME = "w4a16"
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: torch.Tensor | None = None):
         super().__init__(in_features, out_features, bias)
@@ -152,6 +164,9 @@ class W4A16Linear(_QuantLinearBase):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.weight_packed, self.group_size, self.scales_and_zeros)
         return self._finish(y, x)
 
+    def options(self) -> dict:
+        return {"group_size": self.group_size}
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"
 
@@ -159,6 +174,8 @@ class W4A16Linear(_QuantLinearBase):
 class W8A8Linear(_QuantLinearBase):
     """int8 per-channel weights x int8 activations (per-token dynamic scales, or one calibrated static scale),
     `torch._int_mm` with int32 accumulation, then rescaled.  https://arxiv.org/abs/2211.10438 (W8A8 scheme)"""
+
+    SCHEME = "w8a8"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None,
                  act_scale: float | None = None):
@@ -190,10 +207,16 @@ class W8A8Linear(_QuantLinearBase):
             scale, zero = self.act_scale, torch.zeros((), dtype=torch.int32, device=x2d.device)
         return quantize(x2d, scale, zero, spec), scale
 
+    def int8_product(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d quantized to int8 times the int8 weight, int32 accumulation, rescaled.  [M, K] -> [M, N] float32"""
+        x_q, s_x = self.quantize_input(x2d)
+        return int_matmul_reference(x_q, s_x, None, self.weight, self.scales, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_q, s_x = self.quantize_input(x.reshape(-1, self.in_features))
-        y = int_matmul_reference(x_q, s_x, None, self.weight, self.scales, None)
-        return self._finish(y, x)
+        return self._finish(self.int8_product(x.reshape(-1, self.in_features)), x)
+
+    def options(self) -> dict:
+        return {} if self.act_scale is None else {"act_scale": float(self.act_scale)}
 
 
 def _scaled_mm_fits(x2d: torch.Tensor, N: int) -> bool:
@@ -207,6 +230,8 @@ class FP8Linear(_QuantLinearBase):
     on CUDA (sm90+) `torch._scaled_mm` with per-token fp8 activations.  https://arxiv.org/abs/2209.05433
     On CPU this is a storage/accuracy format, not a fast one: torch's fp8 -> bf16 cast runs ~5 ns per weight
     (83 ms for 4096x4096 at M = 1 vs 3 ms for bf16 F.linear); prefer W8A16Linear there."""
+
+    SCHEME = "fp8"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None):
         super().__init__(in_features, out_features, bias)
@@ -238,3 +263,49 @@ class FP8Linear(_QuantLinearBase):
         cdt = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         y = F.linear(x2d.to(cdt), self.weight.to(cdt)) * self.scales.to(cdt)
         return self._finish(y, x)
+
+
+class Int8OutlierLinear(W8A8Linear):
+    """LLM.int8(): int8 per-channel (vector-wise) weights; the input columns holding any |x| >= threshold in the
+    current batch are computed in 16 bits against the dequantized weight, the rest as dynamic per-token W8A8,
+    and the two products are summed.  https://arxiv.org/abs/2208.07339 (mixed-precision decomposition)"""
+
+    SCHEME = "llm_int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None, threshold: float = 6.0):
+        super().__init__(in_features, out_features, bias)
+        if not threshold > 0:
+            raise LeanLMError(f"LLM.int8() threshold={threshold!r} must be positive, such as 6.0 (inf: plain W8A8)")
+        self.threshold = float(threshold)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, threshold: float = 6.0) -> "Int8OutlierLinear":
+        _check_linear(linear, cls.__name__)
+        m = cls(linear.in_features, linear.out_features, _bias(linear), threshold)
+        m.weight, m.scales = _per_channel_int8(linear.weight.detach(), torch.float32)
+        return m.to(linear.weight.device)
+
+    def outlier_columns(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Indices of the input columns with any |x| >= threshold.  x2d [M, K] -> [C] int64"""
+        return (x2d.abs() >= self.threshold).any(0).nonzero().squeeze(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)  # [M, K]
+        cols = self.outlier_columns(x2d)  # [C]
+        if cols.numel() == 0:
+            return self._finish(self.int8_product(x2d), x)
+        y = self.int8_product(x2d.index_fill(1, cols, 0))  # [M, N] float32, outliers left out of the row scales
+        # 16-bit for the outliers; fp16 has no CPU matmul path (DESIGN.md), so fp16 activations run in float32 there
+        cdt = torch.float32 if x.dtype == torch.float16 and x.is_cpu else x.dtype
+        w = (self.weight[:, cols].float() * self.scales[:, None]).to(cdt)  # [N, C]
+        y = y + (x2d[:, cols].to(cdt) @ w.T).float()
+        return self._finish(y, x)
+
+    def options(self) -> dict:
+        return {"threshold": self.threshold}
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", threshold={self.threshold}"
+
+
+SCHEMES = {cls.SCHEME: cls for cls in (W8A16Linear, W4A16Linear, W8A8Linear, FP8Linear, Int8OutlierLinear)}

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from leanlm.compress.quant.linear import FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear
+from leanlm.compress.quant.linear import SCHEMES, W4A16Linear
 from leanlm.compress.registry import decoder_linears, register, replace
 from leanlm.errors import LeanLMError
 
-SCHEMES = {"w8a16": W8A16Linear, "w4a16": W4A16Linear, "w8a8": W8A8Linear, "fp8": FP8Linear}
+__all__ = ["SCHEMES", "RTN", "FP8", "group_for", "quantize_layer", "quantize_decoder"]
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,10 @@ def group_for(in_features: int, group_size: int) -> int:
 def quantize_layer(linear, scheme: str, group_size: int = 128):
     """(quantized module, record) for one nn.Linear."""
     if scheme == "w4a16":
-        g = group_for(linear.in_features, group_size)
-        return W4A16Linear.from_float(linear, g), {"scheme": scheme, "group_size": g}
-    return SCHEMES[scheme].from_float(linear), {"scheme": scheme}
+        new = W4A16Linear.from_float(linear, group_for(linear.in_features, group_size))
+    else:
+        new = SCHEMES[scheme].from_float(linear)
+    return new, new.record()
 
 
 def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None) -> dict[str, dict]:

@@ -33,11 +33,12 @@ def _out_err(X, W, Wq):
 
 # GPTQ/RTN layer-output error ratios measured (seed 0), in SPECS order:
 #   act_order=False: 0.69 0.69 0.70 0.69 0.75 0.69;  act_order=True: 0.55 0.55 0.58 0.55 0.56 0.54
+@pytest.mark.parametrize("search_grid", [False, True])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
-def test_beats_rtn_and_stays_on_grid(layer, spec, act_order):
+def test_beats_rtn_and_stays_on_grid(layer, spec, act_order, search_grid):
     X, W, H = layer
-    Wq, scale, zero = gptq_quantize(W, H, spec, act_order=act_order)
+    Wq, scale, zero = gptq_quantize(W, H, spec, act_order=act_order, search_grid=search_grid)
     assert Wq.shape == W.shape and Wq.dtype == torch.float32
     ratio = _out_err(X, W, Wq) / _out_err(X, W, fake_quantize(W, spec))
     assert ratio < 0.85, ratio

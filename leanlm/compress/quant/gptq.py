@@ -12,7 +12,7 @@ import torch
 
 from leanlm.compress.calibrate import calibrate
 from leanlm.compress.quant.linear import W4A16Linear
-from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, quantize
+from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, quantize, search_qparams
 from leanlm.compress.quant.rtn import group_for
 from leanlm.compress.registry import register, replace as replace_module
 from leanlm.compress.stats import Hessian
@@ -31,7 +31,7 @@ def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size: int = 128,
-                  damp: float = 0.01, act_order: bool = False
+                  damp: float = 0.01, act_order: bool = False, search_grid: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ-quantize W [N, K] given H = 2 X^T X / rows [K, K] (https://arxiv.org/abs/2210.17323).
 
@@ -41,7 +41,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
     grid comes from the error-updated weights of its columns when the first of them is processed.
     With act_order, columns are processed by descending diag(H) but groups stay keyed to the original
     column order (group g = original columns [g*gs, (g+1)*gs)), so the output is an ordinary group-quantized
-    tensor with no column permutation to store."""
+    tensor with no column permutation to store.
+    search_grid: each grid's range is shrunk where that lowers its own rounding error (`search_qparams`)."""
     if W.dim() != 2 or H.shape != (W.shape[1], W.shape[1]):
         raise LeanLMError(f"gptq_quantize needs W [N, K] and H [K, K]; got W {tuple(W.shape)}, H {tuple(H.shape)}")
     if spec.granularity == "token":
@@ -63,6 +64,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
     W[:, dead] = 0.0
 
     col_spec = replace(spec, granularity="channel", group_size=None)  # quantize one column [N, 1] at a time
+    qparams = search_qparams if search_grid else compute_qparams
     grouped = spec.granularity == "group"
     if grouped:
         gs = spec.group_size
@@ -70,7 +72,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
         zero = torch.zeros(N, K // gs, dtype=torch.int32, device=W.device)
         have_group = torch.zeros(K // gs, dtype=torch.bool)
     else:
-        scale, zero = compute_qparams(W, spec)
+        scale, zero = qparams(W, spec)
         col_scale, col_zero = scale.expand(N, 1), zero.expand(N, 1)
 
     perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(K, device=W.device)
@@ -98,7 +100,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
                     cur[:, inside] = W1[:, cols[inside] - i1]
                     # Columns after this block have not had this block's lazy update yet: apply it here.
                     cur[:, ~inside] -= Err1[:, :i] @ U[i1:i1 + i, cols[~inside]]
-                    s, z = compute_qparams(cur, col_spec)
+                    s, z = qparams(cur, col_spec)
                     scale[:, g:g + 1], zero[:, g:g + 1] = s, z
                     have_group[g] = True
                 col_scale, col_zero = scale[:, g:g + 1], zero[:, g:g + 1]
@@ -122,8 +124,10 @@ class GPTQ:
     needs_data: ClassVar[bool] = True
     bits: int = 4
     group_size: int = 128
-    act_order: bool = False
+    act_order: bool = True
     damp: float = 0.01
+    search_grid: bool = True  # shrink each group's range where that lowers its rounding error
+    sequential: bool = True  # solve qkv, o, gate_up, down in turn, each on inputs through the solved ones
 
     def __post_init__(self):
         if self.bits != 4:
@@ -142,12 +146,12 @@ def gptq(model, config: GPTQ, progress=None, samples=None) -> dict[str, dict]:
             g = group_for(linear.in_features, config.group_size)
             spec = QuantSpec(4, symmetric=False, granularity="group", group_size=g)
             w_q, scale, zero = gptq_quantize(linear.weight.float(), hessian.value, spec, damp=config.damp,
-                                             act_order=config.act_order)
+                                             act_order=config.act_order, search_grid=config.search_grid)
             linear.weight.data = w_q  # on the grid in float32; the packing below reads its codes back
             replace_module(model, name, W4A16Linear.from_float(linear, g, qparams=(scale, zero)))
             records[name] = {"scheme": "w4a16", "group_size": g}
             if progress:
                 progress(name)
 
-    calibrate(model, samples, solve, lambda linear: Hessian(linear.in_features))
+    calibrate(model, samples, solve, lambda linear: Hessian(linear.in_features), sequential=config.sequential)
     return records

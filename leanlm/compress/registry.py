@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
+from dataclasses import fields
+from pathlib import Path
 
 from torch import nn
 
@@ -11,6 +14,9 @@ from leanlm.models.layers import Linear
 
 METHODS: dict[str, type] = {}  # CLI name -> config class
 _HANDLERS: dict[type, Callable] = {}
+# Each module registers its methods when imported; `method()` imports them all on first use.
+MODULES = ("leanlm.compress.quant.rtn", "leanlm.compress.quant.gptq", "leanlm.compress.quant.awq",
+           "leanlm.compress.quant.smoothquant", "leanlm.compress.quant.llm_int8")
 
 
 def register(config_cls: type) -> Callable:
@@ -26,10 +32,39 @@ def register(config_cls: type) -> Callable:
 
 
 def method(name: str) -> type:
+    for module in MODULES:
+        importlib.import_module(module)
     try:
         return METHODS[name]
     except KeyError:
         raise LeanLMError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}") from None
+
+
+def make_config(name: str, options: dict):
+    """The config of method `name` from option values; a clear error for an option it does not take."""
+    cls = method(name)
+    known = [f.name for f in fields(cls)]
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        takes = f"its options: {', '.join(known)}" if known else "it takes no options"
+        raise LeanLMError(f"{name} has no option {', '.join(unknown)} ({takes})")
+    return cls(**options)
+
+
+def read_recipe(path: Path) -> list:
+    """Configs from a YAML list of steps, each {method: NAME, option: value, ...}, applied in order. A method
+    quantizes the projections that earlier steps left in float, so `smooth` then `rtn` is SmoothQuant."""
+    import yaml
+
+    try:
+        steps = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise LeanLMError(f"cannot read recipe {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise LeanLMError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(steps, list) or not steps or not all(isinstance(s, dict) and "method" in s for s in steps):
+        raise LeanLMError(f"recipe {path} must be a non-empty YAML list of steps such as `- method: rtn`")
+    return [make_config(step["method"], {k: v for k, v in step.items() if k != "method"}) for step in steps]
 
 
 def apply(model: nn.Module, config, progress=None, samples=None) -> dict[str, dict]:

@@ -105,7 +105,7 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.bfloat16, device: st
     missing = [m for m in missing if not m.startswith("rope_") and not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise LeanLMError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and "lm_head." not in quantized:  # a quantized lm_head has its own weights
         model.lm_head.weight = model.embed_tokens.weight
     model.rope_cos, model.rope_sin = rope_table(cfg, device=device)
     return model.eval().requires_grad_(False)

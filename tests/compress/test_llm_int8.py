@@ -97,7 +97,7 @@ def test_save_load_gives_identical_logits(tmp_path, arch):
     out = tmp_path / "q"
     out.mkdir()
     qformat.save(model, records, config, tmp_path / "src", out)
-    assert json.loads((out / qformat.RECORD).read_text())["method"] == "llm_int8"
+    assert json.loads((out / qformat.RECORD).read_text())["recipe"][0]["method"] == "llm_int8"
     again = load_model(out, torch.bfloat16)
     assert all(m.threshold == 2.5 for m in again.modules() if isinstance(m, Int8OutlierLinear))
     tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))

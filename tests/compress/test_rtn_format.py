@@ -58,7 +58,11 @@ def test_cli_quantize_then_generate(tiny_dir, tmp_path):
     assert (out / "quantization.json").exists() and (out / "tokenizer.json").exists()
     r = leanlm("generate", out, "hello", "--max-tokens", "4", "--threads", "1")
     assert r.returncode == 0, r.stderr
-    for args, message in [(["--method", "awq"], "unknown method"), (["--method", "gptq", "--bits", "8"], "--bits 4"), (["--bits", "3"], "--bits 4 or 8")]:
+    for args, message in [(["--method", "nope"], "unknown method"), (["--method", "gptq", "--bits", "8"], "--bits 4"),
+                          (["--bits", "3"], "--bits 4 or 8"), (["--alpha", "0.5"], "rtn has no option alpha"),
+                          (["--bits", "4", "--group-size", "48"], "--group-size must be one of"),
+                          (["--method", "smoothquant", "--alpha", "2"], "out of range"),
+                          (["--lm-head", "5"], "8 (per-channel) or 4"), (["--samples", "0", "--method", "awq"], "--samples")]:
         r = leanlm("quantize", tiny_dir, *args, "-o", tmp_path / "never")
         assert r.returncode == 2 and message in r.stderr and not (tmp_path / "never").exists()
     r = leanlm("quantize", tiny_dir, "-o", out)

@@ -84,7 +84,8 @@ def test_smoothquant_save_load_gives_identical_logits(tmp_path, arch):
     out = tmp_path / "q"
     out.mkdir()
     qformat.save(model, records, config, tmp_path / "src", out)
-    assert json.loads((out / qformat.RECORD).read_text())["options"] == {"alpha": 0.6, "smooth_down": True}
+    assert json.loads((out / qformat.RECORD).read_text())["recipe"] == [{"method": "smoothquant", "alpha": 0.6,
+                                                                      "smooth_down": True}]
     again = load_model(out, torch.bfloat16)
     logits = model(TOKENS, POSITIONS)
     assert torch.equal(logits, again(TOKENS, POSITIONS))

@@ -22,16 +22,18 @@ def is_quantized(path: Path) -> bool:
     return (Path(path) / RECORD).exists()
 
 
-def save(model, records: dict[str, dict], config, source: Path, out: Path) -> None:
-    """Write weights, the per-layer record and the source's config and tokenizer files into `out`."""
+def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> None:
+    """Write weights, the per-layer record, the method configs (one, or a recipe's list) and the source's
+    config and tokenizer files into `out`."""
     sd = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rope_")}
-    if model.config.tie_embeddings:
-        sd.pop("lm_head.weight", None)  # the same storage as the embedding
+    if model.lm_head.weight is model.embed_tokens.weight:
+        sd.pop("lm_head.weight")  # tied: the same storage as the embedding
     save_file(sd, str(out / "model.safetensors"))
     for name in COPIED:
         if (Path(source) / name).exists():
             shutil.copy(Path(source) / name, out / name)
-    record = {"format": "leanlm", "method": config.name, "options": asdict(config),
+    configs = configs if isinstance(configs, (list, tuple)) else [configs]
+    record = {"format": "leanlm", "recipe": [{"method": c.name, **asdict(c)} for c in configs],
               "dtype": str(model.dtype).removeprefix("torch."), "layers": records}
     (out / RECORD).write_text(json.dumps(record, indent=1))
 

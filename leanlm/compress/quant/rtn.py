@@ -8,6 +8,7 @@ from typing import ClassVar
 from leanlm.compress.quant.linear import SCHEMES, W4A16Linear
 from leanlm.compress.registry import decoder_linears, register, replace
 from leanlm.errors import LeanLMError
+from leanlm.models.layers import Linear
 
 __all__ = ["SCHEMES", "RTN", "FP8", "group_for", "quantize_layer", "quantize_decoder"]
 
@@ -79,3 +80,30 @@ class FP8:
 @register(FP8)
 def fp8(model, config: FP8, progress=None, samples=None) -> dict[str, dict]:
     return quantize_decoder(model, "fp8", progress=progress)
+
+
+@dataclass(frozen=True)
+class Head:
+    """Round-to-nearest for the output projection (lm_head), which the other methods leave in 16 bits. It is
+    the largest single matrix of a small model (SmolLM2-135M: 28M of 135M weights) and is read by every decode
+    step; with tied embeddings the input embedding keeps its 16-bit copy (a lookup reads one row per token)."""
+
+    name: ClassVar[str] = "lm_head"
+    bits: int = 8
+    group_size: int = 128
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise LeanLMError(f"the lm_head is quantized to 8 (per-channel) or 4 (groups) bits, got {self.bits}")
+        if self.bits == 4 and self.group_size not in W4A16Linear.GROUP_SIZES:
+            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES} for 4 bits, got {self.group_size}")
+
+
+@register(Head)
+def head(model, config: Head, progress=None, samples=None) -> dict[str, dict]:
+    if not isinstance(model.lm_head, Linear):
+        raise LeanLMError("the lm_head is already quantized")
+    model.lm_head, record = quantize_layer(model.lm_head, "w4a16" if config.bits == 4 else "w8a16", config.group_size)
+    if progress:
+        progress("lm_head")
+    return {"lm_head": record}

@@ -102,3 +102,16 @@ class SmoothQuant:
 def smoothquant(model, config: SmoothQuant, progress=None, samples=None) -> dict[str, dict]:
     smooth(model, samples, config.alpha, config.smooth_down, progress)
     return quantize_decoder(model, "w8a8")
+
+
+@dataclass(frozen=True)
+class Smooth(SmoothQuant):
+    """The smoothing alone (the float model computes the same function), for recipes that quantize next."""
+
+    name: ClassVar[str] = "smooth"
+
+
+@register(Smooth)
+def smooth_only(model, config: Smooth, progress=None, samples=None) -> dict[str, dict]:
+    smooth(model, samples, config.alpha, config.smooth_down, progress)
+    return {}

@@ -152,7 +152,7 @@ def eval_(
     from rich.progress import Progress
 
     from leanlm.eval.datasets import load_text
-    from leanlm.eval.perplexity import agreement, perplexity, scored_tokens
+    from leanlm.eval.perplexity import score, scored_tokens
 
     if max_tokens < 2:
         _fail("--max-tokens must be at least 2")
@@ -160,12 +160,9 @@ def eval_(
     ids = torch.tensor(tok.encode(load_text(data))[:max_tokens])
     ref = _load(reference, dtype, device, threads, quiet=json_)[0] if reference else None
     with Progress(console=err, transient=True, disable=json_) as bar:
-        task = bar.add_task("perplexity", total=scored_tokens(len(ids), min(window, net.config.max_position), min(stride, window)))
-        result = perplexity(net, ids, window, stride, progress=lambda n: bar.advance(task, n))
-        agree = None
-        if ref is not None:
-            bar.reset(task, description="agreement")
-            agree = agreement(net, ref, ids, window, stride, progress=lambda n: bar.advance(task, n))
+        task = bar.add_task("perplexity" + (" and agreement" if ref else ""),
+                            total=scored_tokens(len(ids), min(window, net.config.max_position), min(stride, window)))
+        result, agree = score(net, ids, ref, window, stride, progress=lambda n: bar.advance(task, n))
     report = {"model": model, "perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens,
               "window": window, "stride": stride, "dtype": str(net.dtype).removeprefix("torch."), "threads": threads,
               "data": str(data) if data else "builtin:evaluation"}
@@ -253,13 +250,23 @@ def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtyp
 @app.command()
 def quantize(
     model: Model,
-    method: Annotated[str, typer.Option(help="rtn (round to nearest), gptq (calibrated int4) or fp8")] = "rtn",
+    method: Annotated[Optional[str], typer.Option(help="rtn, gptq, awq, smoothquant, llm_int8, fp8 (smooth, "
+                                                       "lm_head: for recipes); default rtn")] = None,
+    recipe: Annotated[Optional[Path], typer.Option(help="YAML list of steps applied in order, each a method and "
+                                                        "its options, e.g. `- method: smooth` then `- {method: rtn, "
+                                                        "bits: 8, act_bits: 8}`")] = None,
     bits: Annotated[Optional[int], typer.Option(help="weight bits: 8 (per-channel int8) or 4 (int4 groups); "
-                                                    "default: the method's (rtn 8, gptq 4)")] = None,
-    group_size: Annotated[int, typer.Option(help="int4 group size along K: 32, 64 or 128 (a layer whose K it "
-                                                 "does not divide gets the largest that does)")] = 128,
-    act_bits: Annotated[int, typer.Option(help="16: weight-only (W8A16/W4A16); 8: W8A8 with per-token scales")] = 16,
-    act_order: Annotated[bool, typer.Option(help="gptq: quantize columns in order of decreasing Hessian diagonal")] = False,
+                                                    "default: the method's (rtn 8, gptq/awq 4)")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="int4 group size along K: 32, 64 or 128 (default; a "
+                                                          "layer whose K it does not divide gets the largest that does)")] = None,
+    act_bits: Annotated[Optional[int], typer.Option(help="rtn: 16 weight-only (default) or 8 (W8A8, per-token int8 "
+                                                        "activations)")] = None,
+    act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help="gptq: quantize columns by "
+                                                      "decreasing Hessian diagonal (default on)")] = None,
+    alpha: Annotated[Optional[float], typer.Option(help="smoothquant: migration strength in [0, 1] (default 0.7)")] = None,
+    threshold: Annotated[Optional[float], typer.Option(help="llm_int8: |x| from which an input column stays in 16 "
+                                                            "bits (default 6.0)")] = None,
+    lm_head: Annotated[int, typer.Option(help="also quantize the output projection: 8 or 4 bits (16: leave it)")] = 16,
     data: Annotated[Optional[Path], typer.Option(help="calibration text file or folder (default: built-in "
                                                       "calibration split)")] = None,
     samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
@@ -267,36 +274,92 @@ def quantize(
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
     dtype: DType = "auto",
 ) -> None:
-    """Quantize MODEL's decoder projections onto the runtime int8/int4/fp8 kernels and save it to -o DIR."""
-    from dataclasses import fields
-
+    """Quantize MODEL's decoder projections onto the runtime int8/int4/fp8 kernels and save it to -o DIR
+    (calibrated methods read --samples x --seq-len tokens of the calibration text)."""
     from rich.progress import Progress
 
     from leanlm.api import load
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.quant import gptq, rtn  # noqa: F401  (registers the methods)
-    from leanlm.compress.registry import apply, method as method_cls
+    from leanlm.compress.registry import apply, make_config, read_recipe
     from leanlm.fetch import atomic_dir
     from leanlm.models.zoo import resolve
 
-    cls = method_cls(method)
-    options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order}
-    config = cls(**{f.name: options[f.name] for f in fields(cls) if options.get(f.name) is not None})
+    options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order, "alpha": alpha,
+               "threshold": threshold}
+    if recipe is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None] + (["--method"] if method else [])
+        if given:
+            _fail(f"--recipe sets every option itself; drop {', '.join(given)}")
+        configs = read_recipe(recipe)
+    else:
+        configs = [make_config(method or "rtn", {k: v for k, v in options.items() if v is not None})]
+    if lm_head != 16:
+        configs.append(make_config("lm_head", {"bits": lm_head, "group_size": group_size or 128}))
     if output.exists():
         _fail(f"{output} already exists; choose a new output directory")
+    for name, value in (("samples", samples), ("seq-len", seq_len)):
+        if value < 1:
+            _fail(f"--{name} must be at least 1")
     source = resolve(model)
     net, tok = load(source, dtype, "cpu")
     calibration = None
-    if getattr(config, "needs_data", False):
+    if any(getattr(c, "needs_data", False) for c in configs):
         from leanlm.eval.datasets import calibration_samples, load_text
 
         calibration = calibration_samples(tok.encode(load_text(data, split="calibration")), samples, seq_len)
+    records = {}
     with Progress(console=err, transient=True) as bar:
-        task = bar.add_task(f"{method} {getattr(config, 'scheme', method)}", total=sum(1 for _ in net.layers) * 4)
-        records = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
+        for config in configs:
+            task = bar.add_task(config.name, total=sum(1 for _ in net.layers) * 4 if config.name != "lm_head" else 1)
+            records |= apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
     with atomic_dir(output) as tmp:
-        qformat.save(net, records, config, source, tmp)
-    out.print(f"{model} -> {output} ({method}, {len(records)} layers quantized)")
+        qformat.save(net, records, configs, source, tmp)
+    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}, {len(records)} layers quantized)")
+
+
+@app.command()
+def compare(
+    base: Model,
+    others: Annotated[list[str], typer.Argument(help="compressed variants of BASE (quantized directories, ...)")],
+    json_: Annotated[bool, typer.Option("--json", help="print one JSON list")] = False,
+    data: Annotated[Optional[Path], typer.Option(help="text file or folder (default: built-in evaluation text)")] = None,
+    max_tokens: Annotated[int, typer.Option(help="score at most this many tokens of the text")] = 16384,
+    speed: Annotated[bool, typer.Option("--speed/--no-speed", help="also measure batch-1 decode tokens/s and MBU "
+                                        "(`leanlm bench`, a fresh process per model)")] = True,
+    compile: Annotated[bool, typer.Option("--compile/--eager", help="decode speed with the compiled step")] = True,
+    dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
+) -> None:
+    """Per model: bits per weight, size on disk and in memory, perplexity, KL and top-1 agreement to BASE,
+    decode tokens/s and MBU."""
+    from dataclasses import replace
+
+    from rich.progress import Progress
+
+    from leanlm.bench.compare import quality, speed as measure_speed
+
+    if max_tokens < 2:
+        _fail("--max-tokens must be at least 2")
+    with Progress(console=err, transient=True, disable=json_) as bar:
+        task = bar.add_task(f"quality of {1 + len(others)} models", total=None)
+        rows = quality(base, others, dtype, device, max_tokens, data, progress=lambda n: bar.advance(task, n))
+        if speed:
+            for i, row in enumerate(rows):
+                bar.update(task, description=f"decode speed of {row.model}")
+                r = measure_speed(row.model, dtype, threads, compile)
+                rows[i] = replace(row, tokens_per_s=r["tokens_per_s"], mbu=r["mbu"])
+    if json_:
+        print(json.dumps([r.to_dict() for r in rows]))
+        return
+    text = data or "the built-in evaluation text"
+    table = Table(title=f"compared with {base} on {rows[0].tokens if rows else 0} tokens of {text}")
+    for col in ("model", "bits/weight", "disk MB", "memory MB", "formula MB", "perplexity", "KL", "top-1", "tok/s", "MBU"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        table.add_row(r.model, f"{r.bits_per_weight:.2f}", f"{r.disk_mb:.1f}", f"{r.memory_mb:.1f}", f"{r.formula_mb:.1f}",
+                      f"{r.perplexity:.3f}", f"{r.kl:.4f}", f"{r.top1:.1%}",
+                      "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
+                      "-" if r.mbu is None else f"{r.mbu:.0%}")
+    out.print(table)
 
 
 @app.command()

@@ -65,6 +65,21 @@ def stored_bytes(model) -> int:
 
 
 def weight_bytes_read(model) -> int:
-    """Measured: bytes a decode step streams, i.e. all weights but an untied embedding table (one row is read)."""
-    untied = 0 if model.config.tie_embeddings else model.embed_tokens.weight.nbytes
-    return stored_bytes(model) - untied
+    """Measured: bytes a decode step streams, i.e. all weights but an embedding table that is not also the
+    lm_head (one row of it is read)."""
+    tied = getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
+    return stored_bytes(model) - (0 if tied else model.embed_tokens.weight.nbytes)
+
+
+def formula_weight_bytes(model) -> tuple[float, int]:
+    """(bytes, parameters) by formula: each quantized projection at its bits per weight (scales included),
+    every other parameter at its dtype's size."""
+    total, params = 0.0, 0
+    for m in model.modules():
+        if hasattr(m, "BITS"):
+            total += m.in_features * m.out_features * m.bits_per_weight / 8
+            params += m.in_features * m.out_features
+    for p in {id(p): p for p in model.parameters()}.values():
+        total += p.numel() * p.element_size()
+        params += p.numel()
+    return total, params

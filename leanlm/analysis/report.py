@@ -10,7 +10,8 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from leanlm.analysis.memory import activation_bytes, kv_cache_bytes, param_count, stored_bytes, weight_bytes_read
+from leanlm.analysis.memory import (activation_bytes, formula_weight_bytes, kv_cache_bytes, param_count, stored_bytes,
+                                    weight_bytes_read)
 from leanlm.cache.static import StaticCache
 from leanlm.models.transformer import Transformer
 
@@ -52,20 +53,6 @@ def _count(model: Transformer, *names: str) -> int:
     return sum(params.values())
 
 
-def _quantized_weight_bytes(model: Transformer, nbytes: int) -> tuple[float, float]:
-    """(formula bytes, parameters) with each quantized projection at its bits per weight, the rest at `nbytes`."""
-    total = params = 0.0
-    quantized = {n for n, m in model.named_modules() if hasattr(m, "BITS")}
-    for n, m in model.named_modules():
-        if n in quantized:
-            total += m.in_features * m.out_features * m.BITS / 8
-            params += m.in_features * m.out_features
-    for n, p in {id(p): (n, p) for n, p in model.named_parameters()}.values():
-        total += p.numel() * nbytes
-        params += p.numel()
-    return total, params
-
-
 @torch.inference_mode()
 def memory_report(model: Transformer, batch: int = 1, length: int | None = None) -> Group:
     cfg = model.config
@@ -95,8 +82,8 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None)
         mem.add_row(name, formula, f"{value:,}", f"{measured:,}")
     mem.add_row("weights MB", f"params x {nbytes} B", f"{counts.total * nbytes / MB:,.1f}", f"{stored_bytes(model) / MB:,.1f}")
     if any(hasattr(m, "BITS") for m in model.modules()):
-        formula, params = _quantized_weight_bytes(model, nbytes)
-        mem.add_row("quantized weights MB", "quantized params x bits / 8 + the rest x dtype bytes (no scales)",
+        formula, params = formula_weight_bytes(model)
+        mem.add_row("quantized weights MB", "quantized params x bits / 8 + the rest x dtype bytes (scales included)",
                     f"{formula / MB:,.1f}", f"{stored_bytes(model) / MB:,.1f}")
         mem.add_row("bits per weight", "", f"{formula * 8 / params:.2f}", f"{stored_bytes(model) * 8 / params:.2f}")
     mem.add_row("read per decode step MB", "weights - untied embedding", f"{counts.read_per_token * nbytes / MB:,.1f}",

@@ -1,0 +1,84 @@
+"""Side by side: what a compressed variant costs in quality and buys in size and speed, against a base model.
+
+Quality runs in this process (one pass per variant scores its perplexity and its KL / top-1 agreement to the
+base on the same windows). Speed runs `leanlm bench --json` in a fresh process per model, so that one model's
+compiled graphs and allocator state never touch another's timing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from leanlm.analysis.memory import formula_weight_bytes, stored_bytes
+from leanlm.errors import LeanLMError
+
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class Compared:
+    model: str
+    bits_per_weight: float  # resident weight bits / stored parameters (scales and 16-bit parts included)
+    disk_mb: float  # the model's safetensors files
+    memory_mb: float  # resident weights, measured
+    formula_mb: float  # parameters x bits per weight (scales included)
+    perplexity: float
+    kl: float  # KL(base || model) per token, nats; 0 for the base
+    top1: float  # top-1 agreement with the base; 1 for the base
+    tokens: int  # scored tokens of the text
+    tokens_per_s: float | None = None  # batch-1 decode, None when speed was not measured
+    mbu: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def disk_bytes(path: Path) -> int:
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def quality(base: str, others: list[str], dtype: str = "auto", device: str | None = None,
+            max_tokens: int = 16384, data: Path | None = None, progress=None) -> list[Compared]:
+    """Perplexity on a text (default: the built-in evaluation text), size, and agreement with `base`, for
+    base + others."""
+    from leanlm.api import load
+    from leanlm.eval.datasets import load_text
+    from leanlm.eval.perplexity import score
+    from leanlm.models.zoo import resolve
+
+    ref, tok = load(base, dtype, device, progress=False)
+    ids = torch.tensor(tok.encode(load_text(data))[:max_tokens])
+    rows = []
+    for name in [base, *others]:
+        net, other_tok = (ref, tok) if name == base else load(name, dtype, device, progress=False)
+        if not tok.same_vocabulary(other_tok):
+            raise LeanLMError(f"{name} has another tokenizer than {base}; compare variants of one model")
+        ppl, agree = score(net, ids, None if net is ref else ref, progress=progress)
+        formula, params = formula_weight_bytes(net)
+        rows.append(Compared(
+            model=name, bits_per_weight=stored_bytes(net) * 8 / params,
+            disk_mb=disk_bytes(resolve(name, progress=False)) / MB, memory_mb=stored_bytes(net) / MB,
+            formula_mb=formula / MB,
+            perplexity=ppl.perplexity, kl=agree.kl if agree else 0.0, top1=agree.top1 if agree else 1.0,
+            tokens=ppl.tokens))
+    return rows
+
+
+def speed(model: str, dtype: str = "auto", threads: int | None = None, compiled: bool = True,
+          new_tokens: int = 64) -> dict:
+    """`leanlm bench MODEL --json` in a fresh process."""
+    cmd = [sys.executable, "-m", "leanlm.cli", "bench", model, "--json", "--dtype", dtype,
+           "--new-tokens", str(new_tokens), "--prompt-tokens", "64", "--compile" if compiled else "--eager"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise LeanLMError(f"benchmarking {model} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

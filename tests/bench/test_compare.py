@@ -1,0 +1,67 @@
+"""compare: quality and size of quantized variants against their base, and the CLI verb."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from leanlm.bench.compare import quality, speed
+from leanlm.compress.quant import format as qformat
+from leanlm.compress.quant.rtn import RTN
+from leanlm.compress.registry import apply
+from leanlm.errors import LeanLMError
+from leanlm.models.loading import load_model
+from tests.conftest import make_hf_model, make_tokenizer
+from tests.test_cli import leanlm
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """A tiny base model and its RTN W8A16 and W4A16 variants, as directories."""
+    root = tmp_path_factory.mktemp("compare")
+    base = root / "base"
+    make_hf_model("llama", base, intermediate_size=64)
+    make_tokenizer(base)
+    dirs = [str(base)]
+    for config in (RTN(8), RTN(4, 32)):
+        model = load_model(base, torch.bfloat16)
+        out = root / f"w{config.bits}"
+        out.mkdir()
+        qformat.save(model, apply(model, config), config, base, out)
+        dirs.append(str(out))
+    text = root / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, hello world. " * 30)
+    return dirs, text
+
+
+def test_quality_rows(variants):
+    dirs, text = variants
+    base, w8, w4 = quality(dirs[0], dirs[1:], "bfloat16", "cpu", max_tokens=400, data=text)
+    assert base.kl == 0 and base.top1 == 1 and base.bits_per_weight == pytest.approx(16)
+    assert base.tokens == w8.tokens == w4.tokens > 100
+    assert 0 < w8.kl < w4.kl and w4.top1 <= w8.top1 <= 1
+    assert 16 > w8.bits_per_weight > w4.bits_per_weight
+    for row in (base, w8, w4):  # resident weights follow the formula (scales are the difference)
+        assert row.formula_mb <= row.memory_mb <= 1.1 * row.formula_mb
+    for row in (w8, w4):  # saved as they are resident (the base directory holds float32 weights)
+        assert row.disk_mb == pytest.approx(row.memory_mb, rel=0.05)
+
+
+def test_speed_runs_bench_in_a_fresh_process(variants):
+    r = speed(variants[0][2], "bfloat16", threads=1, compiled=False, new_tokens=4)
+    assert r["tokens_per_s"] > 0 and 0 < r["mbu"]
+    with pytest.raises(LeanLMError):
+        speed(str(variants[1] / "missing"), "bfloat16", threads=1, compiled=False, new_tokens=4)
+
+
+def test_compare_cli_json(variants):
+    dirs, text = variants
+    r = leanlm("compare", *dirs, "--data", text, "--max-tokens", "300", "--no-speed", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["model"] for row in rows] == dirs and rows[0]["kl"] == 0 and rows[2]["kl"] > 0
+    r = leanlm("compare", dirs[0], dirs[1], "--data", text, "--max-tokens", "300", "--eager", "--threads", "1",
+               env={**os.environ, "COLUMNS": "250"})
+    assert r.returncode == 0, r.stderr
+    assert "bits/weight" in r.stdout and "tok/s" in r.stdout

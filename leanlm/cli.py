@@ -301,6 +301,8 @@ def quantize(
         if value < 1:
             _fail(f"--{name} must be at least 1")
     source = resolve(model)
+    if qformat.is_quantized(source):
+        _fail(f"{model} is already quantized; start from the float model")
     net, tok = load(source, dtype, "cpu")
     calibration = None
     if any(getattr(c, "needs_data", False) for c in configs):

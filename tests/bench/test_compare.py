@@ -40,7 +40,7 @@ def test_quality_rows(variants):
     base, w8, w4 = quality(dirs[0], dirs[1:], "bfloat16", "cpu", max_tokens=400, data=text)
     assert base.kl == 0 and base.top1 == 1 and base.bits_per_weight == pytest.approx(16)
     assert base.tokens == w8.tokens == w4.tokens > 100
-    assert 0 < w8.kl < w4.kl and w4.top1 <= w8.top1 <= 1
+    assert 0 < w8.kl < w4.kl and 0.9 < w4.top1 <= 1 and 0.9 < w8.top1 <= 1  # near-flat logits: ties decide top-1
     assert 16 > w8.bits_per_weight > w4.bits_per_weight
     for row in (base, w8, w4):  # resident weights follow the formula (scales are the difference)
         assert row.formula_mb <= row.memory_mb <= 1.1 * row.formula_mb

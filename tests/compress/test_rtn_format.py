@@ -67,6 +67,8 @@ def test_cli_quantize_then_generate(tiny_dir, tmp_path):
         assert r.returncode == 2 and message in r.stderr and not (tmp_path / "never").exists()
     r = leanlm("quantize", tiny_dir, "-o", out)
     assert r.returncode == 2 and "already exists" in r.stderr
+    r = leanlm("quantize", out, "-o", tmp_path / "twice")
+    assert r.returncode == 2 and "already quantized" in r.stderr
 
 
 def test_gptq_method_beats_rtn_on_a_tiny_model(tmp_path):

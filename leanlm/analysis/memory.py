@@ -67,8 +67,7 @@ def stored_bytes(model) -> int:
 def weight_bytes_read(model) -> int:
     """Measured: bytes a decode step streams, i.e. all weights but an embedding table that is not also the
     lm_head (one row of it is read)."""
-    tied = getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
-    return stored_bytes(model) - (0 if tied else model.embed_tokens.weight.nbytes)
+    return stored_bytes(model) - (0 if model.lm_head_is_embedding else model.embed_tokens.weight.nbytes)
 
 
 def formula_weight_bytes(model) -> tuple[float, int]:

@@ -31,6 +31,11 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def lm_head_is_embedding(self) -> bool:
+        """Tied and not quantized: the lm_head reads the embedding's own storage."""
+        return getattr(self.lm_head, "weight", None) is self.embed_tokens.weight
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of the rotary embedding at these positions, in the model dtype  # [B, T] -> [B, T, 1, D]"""
         return (self.rope_cos[positions].unsqueeze(2).to(self.dtype),

@@ -18,7 +18,7 @@ from torch import nn
 from leanlm.compress.calibrate import calibrate
 from leanlm.compress.quant.linear import W4A16Linear
 from leanlm.compress.quant.primitives import QuantSpec, fake_quantize
-from leanlm.compress.quant.rtn import group_for
+from leanlm.compress.quant.rtn import Int4Options, group_for
 from leanlm.compress.registry import register, replace as replace_module
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
@@ -99,6 +99,11 @@ def search_clip(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, grid: int = C
     return Wg.clamp(-best, best).reshape(N, K)
 
 
+def _v_rows(attn: nn.Module) -> slice:
+    """The v rows of the fused qkv_proj weight (after q's and k's)."""
+    return slice((attn.n_heads + attn.n_kv) * attn.head_dim, None)
+
+
 def _mul_(p: torch.Tensor, factor: torch.Tensor, rows: slice = slice(None)) -> None:
     """p[rows] *= factor, computed in float32 and stored back in p's dtype."""
     p.data[rows] = (p.data[rows].float() * factor).to(p.dtype)
@@ -115,7 +120,7 @@ def apply_scales(block: nn.Module, scales: dict[str, torch.Tensor]) -> None:
     if "self_attn.o_proj" in scales and attn.n_kv != attn.n_heads:
         raise LeanLMError("AWQ cannot fold an o_proj scale into v under grouped-query attention "
                           f"({attn.n_heads} query heads share {attn.n_kv} value heads); leave o_proj unscaled")
-    v_rows = slice((attn.n_heads + attn.n_kv) * attn.head_dim, None)
+    v_rows = _v_rows(attn)
     for name, s in scales.items():
         _mul_(block.get_submodule(name).weight, s[None, :])
         if name == "self_attn.qkv_proj":
@@ -131,21 +136,16 @@ def apply_scales(block: nn.Module, scales: dict[str, torch.Tensor]) -> None:
 
 
 @dataclass(frozen=True)
-class AWQ:
-    """AWQ onto the W4A16 kernel: int4, asymmetric groups along K (g, or the largest of 64/32 dividing K)."""
+class AWQ(Int4Options):
+    """AWQ onto the W4A16 kernel."""
 
     name: ClassVar[str] = "awq"
     needs_data: ClassVar[bool] = True
-    bits: int = 4
-    group_size: int = 128
     grid: int = 20  # alpha candidates i / grid, i < grid
     clip: bool = True
 
     def __post_init__(self):
-        if self.bits != 4:
-            raise LeanLMError(f"awq runs on the int4 kernel here: --bits 4, got {self.bits}")
-        if self.group_size not in W4A16Linear.GROUP_SIZES:
-            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES}, got {self.group_size}")
+        super().__post_init__()
         if not isinstance(self.grid, int) or self.grid < 1:
             raise LeanLMError(f"awq grid={self.grid!r} is invalid; use a positive number of alpha points such as 20")
 
@@ -178,7 +178,7 @@ def awq(model, config: AWQ, progress=None, samples=None) -> dict[str, dict]:
         for name, (linear, _) in linears.items():
             if config.clip:
                 # q and k feed a softmax that a linear output error does not model: the reference leaves them.
-                rows = slice((attn.n_heads + attn.n_kv) * attn.head_dim, None) if name.endswith("qkv_proj") \
+                rows = _v_rows(attn) if name.endswith("qkv_proj") \
                     else slice(None)
                 w = linear.weight.detach().float().clone()
                 w[rows] = search_clip(w[rows], Hs[name], specs[name])

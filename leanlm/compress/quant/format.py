@@ -26,7 +26,7 @@ def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> N
     """Write weights, the per-layer record, the method configs (one, or a recipe's list) and the source's
     config and tokenizer files into `out`."""
     sd = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rope_")}
-    if getattr(model.lm_head, "weight", None) is model.embed_tokens.weight:
+    if model.lm_head_is_embedding:
         sd.pop("lm_head.weight")  # tied: the same storage as the embedding
     save_file(sd, str(out / "model.safetensors"))
     for name in COPIED:

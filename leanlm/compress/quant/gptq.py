@@ -13,7 +13,7 @@ import torch
 from leanlm.compress.calibrate import calibrate
 from leanlm.compress.quant.linear import W4A16Linear
 from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, quantize, search_qparams
-from leanlm.compress.quant.rtn import group_for
+from leanlm.compress.quant.rtn import Int4Options, group_for
 from leanlm.compress.registry import register, replace as replace_module
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
@@ -117,23 +117,15 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
 
 
 @dataclass(frozen=True)
-class GPTQ:
-    """GPTQ onto the W4A16 kernel: int4, asymmetric groups along K (g, or the largest of 64/32 dividing K)."""
+class GPTQ(Int4Options):
+    """GPTQ onto the W4A16 kernel."""
 
     name: ClassVar[str] = "gptq"
     needs_data: ClassVar[bool] = True
-    bits: int = 4
-    group_size: int = 128
     act_order: bool = True
     damp: float = 0.01
     search_grid: bool = True  # shrink each group's range where that lowers its rounding error
     sequential: bool = True  # solve qkv, o, gate_up, down in turn, each on inputs through the solved ones
-
-    def __post_init__(self):
-        if self.bits != 4:
-            raise LeanLMError(f"gptq runs on the int4 kernel here: --bits 4, got {self.bits}")
-        if self.group_size not in W4A16Linear.GROUP_SIZES:
-            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES}, got {self.group_size}")
 
 
 @register(GPTQ)

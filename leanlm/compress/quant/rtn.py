@@ -37,6 +37,22 @@ class RTN:
         return "w4a16" if self.bits == 4 else "w8a8" if self.act_bits == 8 else "w8a16"
 
 
+@dataclass(frozen=True)
+class Int4Options:
+    """Options shared by the calibrated int4 methods (GPTQ, AWQ): both pack onto the W4A16 kernel, asymmetric
+    groups along K (g, or the largest of 64/32 dividing a layer's K)."""
+
+    name: ClassVar[str] = ""
+    bits: int = 4
+    group_size: int = 128
+
+    def __post_init__(self):
+        if self.bits != 4:
+            raise LeanLMError(f"{self.name} runs on the int4 kernel here: --bits 4, got {self.bits}")
+        if self.group_size not in W4A16Linear.GROUP_SIZES:
+            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES}, got {self.group_size}")
+
+
 def group_for(in_features: int, group_size: int) -> int:
     """The requested group size, or the largest supported one below it that divides the layer's K."""
     for g in sorted((g for g in W4A16Linear.GROUP_SIZES if g <= group_size), reverse=True):

@@ -15,6 +15,7 @@ from leanlm.compress.registry import replace
 from leanlm.errors import LeanLMError
 
 RECORD = "quantization.json"
+VERSION = 2  # 2: W4A16 weights in leanlm's int4 layout (pack_int4) with scales and minima [N, K/g]
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -33,7 +34,7 @@ def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> N
         if (Path(source) / name).exists():
             shutil.copy(Path(source) / name, out / name)
     configs = configs if isinstance(configs, (list, tuple)) else [configs]
-    record = {"format": "leanlm", "recipe": [{"method": c.name, **asdict(c)} for c in configs],
+    record = {"format": "leanlm", "version": VERSION, "recipe": [{"method": c.name, **asdict(c)} for c in configs],
               "dtype": str(model.dtype).removeprefix("torch."), "layers": records}
     (out / RECORD).write_text(json.dumps(record, indent=1))
 
@@ -41,7 +42,11 @@ def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> N
 def restore_modules(model, path: Path) -> set[str]:
     """Swap in empty quantized modules as recorded (on the meta device); return their state-dict prefixes.
     A record is {"scheme": name, **options}: the options are the module's constructor keyword arguments."""
-    layers = json.loads((Path(path) / RECORD).read_text())["layers"]
+    record = json.loads((Path(path) / RECORD).read_text())
+    if record.get("version", 1) != VERSION:
+        raise LeanLMError(f"{path} holds quantization format {record.get('version', 1)}; this leanlm reads "
+                          f"format {VERSION}: quantize the model again")
+    layers = record["layers"]
     for name, rec in layers.items():
         linear = model.get_submodule(name)
         bias = None if linear.bias is None else torch.empty(linear.out_features, device="meta")

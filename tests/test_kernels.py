@@ -1,4 +1,4 @@
-"""leanlm's C++ decode kernels (AVX-512 and plain-loop builds) against float matmul with the same weights."""
+"""leanlm's C++ int8 decode kernel (AVX-512 and plain-loop builds) against float matmul with the same weights."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from leanlm import kernels
-from leanlm.compress.quant.linear import pack_int4
 
 
 @pytest.fixture(params=["native", "portable"])
 def ops(request):
     ops = kernels.build(portable=request.param == "portable")
     if ops is None:
-        pytest.skip("no C++ compiler: the kernels cannot be built here")
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
     return ops
 
 
@@ -21,8 +20,8 @@ def _rel(y, ref):
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("N, K", [(37, 200), (64, 576), (3, 16)])  # K % 64 != 0: masked tails
-@pytest.mark.parametrize("M", [1, 2, 3, 8])
+@pytest.mark.parametrize("N, K", [(37, 200), (130, 576), (3, 16)])  # K % 64 != 0: masked tails
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 19])  # 19: three blocks of rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_gemv_matches_float(ops, N, K, M, dtype):
     g = torch.Generator().manual_seed(N * M)
@@ -35,30 +34,14 @@ def test_int8_gemv_matches_float(ops, N, K, M, dtype):
     assert _rel(y, ref.float()) < 1e-5
 
 
-@pytest.mark.parametrize("N, K, G", [(37, 96, 32), (40, 576, 64), (16, 256, 128), (5, 160, 32), (9, 1536, 128)])
-@pytest.mark.parametrize("M", [1, 2, 5, 8])
-def test_int4_gemv_matches_float(ops, N, K, G, M):
-    g = torch.Generator().manual_seed(K + M)
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
-    scale = (torch.rand(N, K // G, generator=g) * 0.1).bfloat16()
-    mins = (-torch.rand(N, K // G, generator=g)).bfloat16()
-    x = torch.randn(M, K, generator=g)
-    w = q.double() * scale.double().repeat_interleave(G, 1) + mins.double().repeat_interleave(G, 1)
-    ref = x.bfloat16().double() @ w.T  # the kernel multiplies x rounded to bf16
-    y = ops.int4_gemv(x, pack_int4(q), scale, mins, G)
-    assert y.shape == (M, N)
-    assert _rel(y, ref.float()) < 1e-5
-
-
 def test_bad_arguments_raise(ops):
     w = torch.zeros(4, 64, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="M <= 8"):
-        ops.int8_gemv(torch.zeros(9, 64), w, torch.ones(4).bfloat16())
+    with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
+        ops.int8_gemv(torch.zeros(64), w, torch.ones(4).bfloat16())
     with pytest.raises(RuntimeError, match="K = 32"):
         ops.int8_gemv(torch.zeros(1, 32), w, torch.ones(4).bfloat16())
-    with pytest.raises(RuntimeError, match="multiple of the group size"):
-        ops.int4_gemv(torch.zeros(1, 96), torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 1).bfloat16(),
-                      torch.ones(4, 1).bfloat16(), 64)
+    with pytest.raises(RuntimeError, match="int8 weight"):
+        ops.int8_gemv(torch.zeros(1, 64), w.float(), torch.ones(4).bfloat16())
 
 
 def test_kernels_run_inside_a_compiled_graph():

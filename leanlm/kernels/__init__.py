@@ -1,18 +1,18 @@
-"""leanlm's C++ CPU kernels (cpu.cpp): int8 and int4 weight-only matrix-vector products for decode.
+"""leanlm's C++ CPU kernel (cpu.cpp): the int8 weight-only matrix-vector product of W8A16 decode.
 
-torch's own CPU kernels for these (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) reach only ~30% of
-memory bandwidth on a small model's 576 x 1536 matrices; ours stream the weights near the bandwidth limit
-(benchmarks/quantization.py). They are compiled for this machine (-march=native) on first use, ~10 s, and
-cached by torch under ~/.cache/torch_extensions. `ops()` is None where that fails (no C++ compiler): callers
-then fall back to torch's kernels.
+On a small model's matrices (576 x 576 to 49152 x 576) torch's `_weight_int8pack_mm` runs 1.5-2.5x slower than
+ours (`python benchmarks/kernels.py`); torch's int4 kernel beat the int4 one we wrote, so W4A16 uses torch's. They are compiled for this machine (-march=native) on first use, ~10 s, and
+cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails
+(no C++ compiler): callers then fall back to torch ops.
 
     ops = kernels.ops()
-    y = ops.int8_gemv(x, w, scale)                   # x [M <= 8, K], w [N, K] int8, scale [N] bf16 -> [M, N] fp32
-    y = ops.int4_gemv(x, w, scale, mins, group_size)  # w [N, K/2] uint8 (layout in cpu.cpp), [N, K/g] bf16 each
+    y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
-MAX_ROWS = 8  # rows of x the kernels take (cpu.cpp kMaxRows)
+MAX_ROWS = 16  # rows of x up to which W8A16 runs the kernel; beyond, one bf16 GEMM on the codes (compute-bound)
 
 
 _loaded: dict[bool, object] = {}  # portable -> op namespace or None (a plain dict: torch.compile traces ops())
@@ -37,15 +37,26 @@ def build(portable: bool = False):
 def _build(portable: bool):
     from torch.utils.cpp_extension import load
 
+    if shutil.which("ninja") is None:  # torch runs `ninja`; the pip package's binary may be off PATH (a venv)
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+
     name = "leanlm_portable" if portable else "leanlm"
-    flags = ["-O3", "-march=native", f"-DLEANLM_NS={name}"] + (["-DLEANLM_PORTABLE"] if portable else [])
+    flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}"] + (["-DLEANLM_PORTABLE"] if portable else [])
     try:
-        print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr) if not _built(name) else None
+        if not _built(name):
+            print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr)
         with warnings.catch_warnings():  # cpp_extension's own deprecation notices are not the user's concern
             warnings.simplefilter("ignore", DeprecationWarning)
-            load(name=f"{name}_kernels", sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False)
-    except Exception as e:  # no compiler, no headers: torch's kernels still work
-        warnings.warn(f"leanlm: CPU kernels not built ({type(e).__name__}: {str(e)[:200]}); using torch's kernels")
+            load(name=f"{name}_kernels", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                 is_python_module=False)
+    except Exception as e:  # no compiler, no headers: quantized layers fall back to torch ops (slower)
+        warnings.warn(f"leanlm: CPU kernels not built ({type(e).__name__}: {str(e)[:200]}); "
+                      "quantized layers fall back to slower torch paths")
         return None
     ns = getattr(torch.ops, name)
     _register_fakes(name)
@@ -64,12 +75,8 @@ def _built(name: str) -> bool:
 
 
 def _register_fakes(name: str) -> None:
-    """Output shapes for torch.compile's tracing (the kernels themselves run at execution)."""
+    """Output shapes for torch.compile's tracing (the kernel itself runs at execution)."""
 
     @torch.library.register_fake(f"{name}::int8_gemv")
     def _(x, w, scale):
-        return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
-
-    @torch.library.register_fake(f"{name}::int4_gemv")
-    def _(x, w, scale, mins, group_size):
         return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from leanlm.compress.quant.linear import (SCHEMES, FP8Linear, Int8OutlierLinear, W4A16Linear, W8A8Linear,
-                                         W8A16Linear, pack_int4, unpack_int4)
+                                         W8A16Linear, _unpack_int4_cpu)
 from leanlm.compress.quant.primitives import sqnr_db
 from leanlm.errors import LeanLMError
 
@@ -35,7 +35,7 @@ def _rel(y, ref):
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
-@pytest.mark.parametrize("M", [1, 7, 33])  # 1 and 7: the decode kernels; 33: prefill
+@pytest.mark.parametrize("M", [1, 7, 33])  # W8A16: 1 and 7 the decode kernel, 33 the prefill GEMM
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_dequantized_reference(name, M, dtype):
     cls, kw = MODULES[name]
@@ -98,14 +98,11 @@ def test_resident_bytes_match_bits(name, bytes_per_weight):
     assert total <= 1.1 * (N * K * bytes_per_weight + N * (K // (g or K)) * 4)
 
 
-def test_int4_pack_layout_and_inverse():
-    q = torch.randint(0, 16, (3, 160), dtype=torch.uint8)
-    packed = pack_int4(q)
-    assert packed.shape == (3, 80)
-    assert torch.equal(packed[:, 5] & 15, q[:, 5]) and torch.equal(packed[:, 5] >> 4, q[:, 37])  # chunk 0
-    assert torch.equal(packed[:, 32 + 5] >> 4, q[:, 64 + 37])  # chunk 1
-    assert torch.equal(packed[:, 64 + 5] >> 4, q[:, 128 + 21])  # the last chunk holds 32: i and i + 16
-    assert torch.equal(unpack_int4(packed), q)
+@pytest.mark.parametrize("N", [16, 48, 64, 80, 192])
+def test_int4_unpack_inverts_kernel_packing(N):
+    q = torch.randint(0, 16, (N, 64), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(_unpack_int4_cpu(packed, N, 64).int(), q)
 
 
 def test_w4a16_bad_shapes_raise():
@@ -113,6 +110,8 @@ def test_w4a16_bad_shapes_raise():
         W4A16Linear.from_float(_linear(128, 64), group_size=16)
     with pytest.raises(LeanLMError, match="does not divide in_features=96"):
         W4A16Linear.from_float(_linear(96, 64), group_size=64)
+    with pytest.raises(LeanLMError, match="out_features divisible by 16"):
+        W4A16Linear.from_float(_linear(128, 40), group_size=32)
     with pytest.raises(LeanLMError, match="needs an nn.Linear"):
         W8A16Linear.from_float(nn.Conv1d(4, 4, 1))
     with pytest.raises(LeanLMError, match="act_scale"):

@@ -130,3 +130,16 @@ def test_bad_records_raise(tmp_path, layer_record, message):
     (out / qformat.RECORD).write_text(json.dumps(record))
     with pytest.raises(LeanLMError, match=message):
         load_model(out, torch.bfloat16)
+
+
+def test_other_format_version_raises(tmp_path):
+    import json
+
+    make_hf_model("llama", tmp_path / "src")
+    model = load_model(tmp_path / "src", torch.bfloat16)
+    out, _ = _save_and_reload(tmp_path, model, apply(model, RTN(8)), RTN(8))
+    record = json.loads((out / qformat.RECORD).read_text())
+    assert record["version"] == qformat.VERSION
+    (out / qformat.RECORD).write_text(json.dumps(record | {"version": qformat.VERSION + 1}))
+    with pytest.raises(LeanLMError, match="quantize the model again"):
+        load_model(out, torch.bfloat16)

@@ -15,7 +15,7 @@ from leanlm.compress.registry import replace
 from leanlm.errors import LeanLMError
 
 RECORD = "quantization.json"
-VERSION = 2  # 2: W4A16 weights in leanlm's int4 layout (pack_int4) with scales and minima [N, K/g]
+VERSION = 1  # of quantization.json and the tensors it describes; a reader refuses other versions
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 

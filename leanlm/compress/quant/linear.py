@@ -2,9 +2,12 @@
 and `dequantized_weight()` (the float weight the kernel computes with) for checks.
 
 Kernel facts measured on the 2-core Zen 4 box with torch 2.13:
-- Decode (a few rows) runs leanlm's own int8/int4 kernels (leanlm/kernels): torch's `_weight_int8pack_mm` and
-  `_weight_int4pack_mm_for_cpu` stream a small model's 576 x 1536 weights at about half their speed.
-- `_weight_int8pack_mm` wants activations and scales in one dtype; it is ~10x slower with float32, so it runs in bf16.
+- W8A16 decode (up to 64 rows) runs leanlm's int8 kernel (leanlm/kernels): 1.5-2.5x torch's `_weight_int8pack_mm`
+  on a small model's matrices (`benchmarks/kernels.py`). `_weight_int8pack_mm` wants activations and scales in one
+  dtype; it is ~10x slower with float32, so it runs in bf16.
+- `_weight_int4pack_mm_for_cpu` computes x @ ((q - 8) * scale + zero).T with q in [0, 15] and
+  scales_and_zeros [K/g, N, 2] (bf16); the packing needs N % 16 == 0 and K % g == 0. It beat our own int4 kernel
+  (bf16 dot products along K with `vdpbf16ps`) by ~25% on every SmolLM2 matrix, so W4A16 keeps it.
 - `torch._int_mm` on CPU accepts any shape; at M = 1 with the [N, K] weight passed as a transposed view it is
   ~6x faster than an int32 matmul and ~18x faster than padding M to 17 (4096x4096, one thread)."""
 
@@ -106,43 +109,35 @@ class W8A16Linear(_QuantLinearBase):
             return self._reference(x)
         x2d = x.reshape(-1, self.in_features)
         ops = kernels.ops() if x2d.shape[0] <= kernels.MAX_ROWS else None
-        if ops is not None:  # decode
+        if ops is not None:  # decode, short prompts, speculative checks
             return self._finish(ops.int8_gemv(x2d, self.weight, self.scales), x)
         x2d = x2d.to(torch.bfloat16)
-        if x2d.shape[0] > 16:  # prefill: one bf16 GEMM on the int8 codes (exact in bf16) runs ~2x the int8 kernel
+        if x2d.shape[0] > kernels.MAX_ROWS:  # prefill: one bf16 GEMM on the int8 codes (exact in bf16)
             return self._finish(F.linear(x2d, self.weight.to(torch.bfloat16)).float() * self.scales.float(), x)
         return self._finish(torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scales), x)
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte in the kernels' layout: in each chunk of c = 64 weights along K (c = 32 for a
-    last, partial chunk), byte i holds weight i in its low nibble and i + c/2 in its high one.
-    q [N, K] in [0, 15], K % 32 == 0 -> [N, K/2] uint8"""
-    q, parts = q.to(torch.uint8), []
-    for start in range(0, q.shape[1], 64):
-        chunk = q[:, start : start + 64]
-        half = chunk.shape[1] // 2
-        parts.append(chunk[:, :half] | chunk[:, half:] << 4)
-    return torch.cat(parts, 1)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_int4.  [N, K/2] uint8 -> [N, K] uint8 in [0, 15]"""
-    parts = []
-    for start in range(0, packed.shape[1], 32):
-        chunk = packed[:, start : start + 32]
-        parts += [chunk & 15, chunk >> 4]
-    return torch.cat(parts, 1)
+def _unpack_int4_cpu(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """Invert `_convert_weight_to_int4pack_for_cpu` (layout read off the op): rows in blocks of 64 where byte j
+    of column k holds rows j (low nibble) and j + 32 (high); a tail of N % 64 rows holds row pairs
+    (2j low, 2j + 1 high).  packed [N, K/2] uint8 -> q [N, K] uint8 in [0, 15]"""
+    flat, n64, parts = packed.reshape(-1), N // 64 * 64, []
+    if n64:
+        b = flat[: n64 * K // 2].reshape(n64 // 64, K, 32)
+        parts.append(torch.cat([b & 15, b >> 4], -1).permute(0, 2, 1).reshape(n64, K))
+    if N > n64:
+        b = flat[n64 * K // 2 :].reshape(K, (N - n64) // 2)
+        parts.append(torch.stack([b & 15, b >> 4], -1).reshape(K, N - n64).t())
+    return torch.cat(parts, 0)
 
 
 class W4A16Linear(_QuantLinearBase):
-    """Asymmetric 4-bit weights in groups of 32/64/128 along K (w = q * scale + min, q in [0, 15]), bf16
-    activations. Decode runs leanlm's int4 kernel (kernels/cpu.cpp); prefill, one bf16 GEMM on the
-    dequantized weight.  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
+    """Asymmetric 4-bit weights in groups of 32/64/128 along K, bf16 activations; CPU kernel
+    `aten._weight_int4pack_mm_for_cpu`.  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
 
     GROUP_SIZES = (32, 64, 128)
     BITS = 4
-    SCALE_BITS = 32  # bf16 scale and bf16 minimum per group
+    SCALE_BITS = 32  # bf16 scale and bf16 zero per group
     SCHEME = "w4a16"
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: torch.Tensor | None = None):
@@ -153,12 +148,13 @@ class W4A16Linear(_QuantLinearBase):
             fits = [g for g in self.GROUP_SIZES if in_features % g == 0]
             raise LeanLMError(f"W4A16 group_size={group_size} does not divide in_features={in_features}; "
                               + (f"use one of {fits}" if fits else "keep this layer in 8 or 16 bits"))
+        if out_features % 16:
+            raise LeanLMError(f"W4A16 needs out_features divisible by 16 (the int4 kernel's packing), "
+                              f"got {out_features}; keep this layer in 8 or 16 bits")
         self.group_size = group_size
-        kernels.ops()  # built (or found) now, not first inside a compiled graph
-        groups = in_features // group_size
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(out_features, groups, dtype=torch.bfloat16))  # [N, K/g]
-        self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.bfloat16))  # [N, K/g]
+        self.register_buffer("scales_and_zeros",  # [K/g, N, 2]: scale, and the float value of q = 8
+                             torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16))
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 128, qparams=None) -> "W4A16Linear":
@@ -168,23 +164,25 @@ class W4A16Linear(_QuantLinearBase):
         w = linear.weight.detach().float().cpu()
         spec = QuantSpec(4, symmetric=False, granularity="group", group_size=group_size)
         scale, zero = compute_qparams(w, spec) if qparams is None else qparams  # [N, K/g]
-        m.weight_packed = pack_int4(quantize(w, scale, zero, spec))  # codes [N, K] in [0, 15]
-        m.scales = scale.to(torch.bfloat16)
-        m.mins = (-zero.float() * scale).to(torch.bfloat16)  # (q - z) * s = q * s + min
+        q = quantize(w, scale, zero, spec)  # [N, K] uint8 in [0, 15]
+        # Kernel convention: w = (q - 8) * s + zz, ours: w = (q - z) * s  =>  zz = (8 - z) * s.
+        sz = torch.stack([scale, (8 - zero.float()) * scale], -1).transpose(0, 1)  # [K/g, N, 2]
+        m.scales_and_zeros = sz.to(torch.bfloat16).contiguous()
+        m.weight_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         return m.to(linear.weight.device)
 
     def dequantized_weight(self) -> torch.Tensor:
         """Float32 weight the kernel uses  # [N, K]"""
-        q = unpack_int4(self.weight_packed).float()
-        g = self.group_size
-        return q * self.scales.float().repeat_interleave(g, 1) + self.mins.float().repeat_interleave(g, 1)
+        q = _unpack_int4_cpu(self.weight_packed, self.out_features, self.in_features).float()
+        sz = self.scales_and_zeros.float().repeat_interleave(self.group_size, 0)  # [K, N, 2]
+        return (q - 8) * sz[..., 0].t() + sz[..., 1].t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.in_features)
-        ops = kernels.ops() if x.is_cpu and x2d.shape[0] <= kernels.MAX_ROWS else None
-        if ops is None:  # prefill (compute-bound: a GEMM beats the kernel), other devices, no compiler
+        if not x.is_cpu:
             return self._reference(x)
-        return self._finish(ops.int4_gemv(x2d, self.weight_packed, self.scales, self.mins, self.group_size), x)
+        x2d = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.weight_packed, self.group_size, self.scales_and_zeros)
+        return self._finish(y, x)
 
     def options(self) -> dict:
         return {"group_size": self.group_size}

@@ -2,7 +2,7 @@
 and `dequantized_weight()` (the float weight the kernel computes with) for checks.
 
 Kernel facts measured on the 2-core Zen 4 box with torch 2.13:
-- W8A16 decode (up to 64 rows) runs leanlm's int8 kernel (leanlm/kernels): 1.5-2.5x torch's `_weight_int8pack_mm`
+- W8A16 decode (up to 16 rows) runs leanlm's int8 kernel (leanlm/kernels): 1.5-2.5x torch's `_weight_int8pack_mm`
   on a small model's matrices (`benchmarks/kernels.py`). `_weight_int8pack_mm` wants activations and scales in one
   dtype; it is ~10x slower with float32, so it runs in bf16.
 - `_weight_int4pack_mm_for_cpu` computes x @ ((q - 8) * scale + zero).T with q in [0, 15] and
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, int_matmul_reference, quantize
 from leanlm import kernels
+from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, int_matmul_reference, quantize
 from leanlm.errors import LeanLMError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -49,13 +49,13 @@ def _build(portable: bool):
     flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}"] + (["-DLEANLM_PORTABLE"] if portable else [])
     try:
         if not _built(name):
-            print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr)
+            print("leanlm: compiling the CPU kernel (once, ~10 s)", file=sys.stderr)
         with warnings.catch_warnings():  # cpp_extension's own deprecation notices are not the user's concern
             warnings.simplefilter("ignore", DeprecationWarning)
             load(name=f"{name}_kernels", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  is_python_module=False)
     except Exception as e:  # no compiler, no headers: quantized layers fall back to torch ops (slower)
-        warnings.warn(f"leanlm: CPU kernels not built ({type(e).__name__}: {str(e)[:200]}); "
+        warnings.warn(f"leanlm: CPU kernel not built ({type(e).__name__}: {str(e)[:200]}); "
                       "quantized layers fall back to slower torch paths")
         return None
     ns = getattr(torch.ops, name)
@@ -64,14 +64,18 @@ def _build(portable: bool):
 
 
 def ops():
-    """The leanlm kernels, or None where they cannot be built."""
+    """leanlm's kernel ops (torch.ops.leanlm), or None where they cannot be built."""
     return build(False)
 
 
 def _built(name: str) -> bool:
-    from torch.utils.cpp_extension import _get_build_directory
+    """Whether torch's extension cache already holds a build (only to say that a first build takes a while)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: any failure just means "say it"
 
-    return any(Path(_get_build_directory(f"{name}_kernels", False)).glob("*.so"))
+        return any(Path(_get_build_directory(f"{name}_kernels", False)).glob("*.so"))
+    except Exception:
+        return False
 
 
 def _register_fakes(name: str) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from leanlm import kernels
 from leanlm.compress.quant.linear import (SCHEMES, FP8Linear, Int8OutlierLinear, W4A16Linear, W8A8Linear,
                                          W8A16Linear, _unpack_int4_cpu)
 from leanlm.compress.quant.primitives import sqnr_db
@@ -48,6 +49,14 @@ def test_kernel_matches_dequantized_reference(name, M, dtype):
     assert _rel(y, ref) < REL_TOL.get(name, 1e-2)
     # and the quantized weight is close to the float one
     assert sqnr_db(lin.weight.detach(), q.dequantized_weight()) > (14 if cls is W4A16Linear else 25)
+
+
+def test_w8a16_without_the_leanlm_kernel(monkeypatch):  # a machine with no C++ compiler: torch's int8 kernel
+    monkeypatch.setattr(kernels, "ops", lambda: None)
+    lin = _linear(256, 96)
+    q = W8A16Linear.from_float(lin)
+    x = torch.randn(3, 256).bfloat16()
+    assert _rel(q(x), x.float() @ q.dequantized_weight().T + lin.bias.detach()) < 1e-2
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -32,3 +32,19 @@ def test_compiled_generate_equals_eager(tiny_dir):
     eager = generate(model, tok, ["hello world", "the quick brown fox"], params)
     compiled = generate(model, tok, ["hello world", "the quick brown fox"], params, compiled=CompiledDecoder(model))
     assert [c.tokens for c in compiled] == [c.tokens for c in eager]
+
+
+def test_two_decoders_keep_their_own_graphs(tmp_path):
+    """Equal shapes, different modules (float and int8 projections): each decoder still runs its own model."""
+    from leanlm.compress.quant.rtn import quantize_decoder
+
+    make_hf_model("llama", tmp_path)
+    plain, quantized = load_model(tmp_path, torch.bfloat16), load_model(tmp_path, torch.bfloat16)
+    quantize_decoder(quantized, "w8a16")
+    for model in (plain, quantized, plain):  # the second plain decoder compiles anew and must not see the int8 one
+        compiled = CompiledDecoder(model)
+        logits, cache_e = prefill(model, [[5, 6, 7]], 4)
+        _, cache_c = prefill(model, [[5, 6, 7]], 4)
+        tok = logits.argmax(-1)
+        assert torch.allclose(compiled.decode_step(cache_c, tok).float(), decode_step(model, cache_e, tok).float(),
+                              atol=2e-2)

@@ -61,7 +61,9 @@ class CompiledDecoder:
         # Dynamo keeps its graphs per code object; a copy of _step's code for each decoder keeps two models in
         # one process (equal shapes, no module guards left to tell them apart) from running each other's graph.
         step = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
-        options = INDUCTOR_OPTIONS[model.device.type] | {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        options = dict(INDUCTOR_OPTIONS[model.device.type])
+        if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):  # not in older torch
+            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         self.fn = torch.compile(step, fullgraph=True, dynamic=False, options=options)
 
     @torch.inference_mode()

@@ -108,13 +108,13 @@ class W8A16Linear(_QuantLinearBase):
         if not x.is_cpu:
             return self._reference(x)
         x2d = x.reshape(-1, self.in_features)
-        ops = kernels.ops() if x2d.shape[0] <= kernels.MAX_ROWS else None
-        if ops is not None:  # decode, short prompts, speculative checks
-            return self._finish(ops.int8_gemv(x2d, self.weight, self.scales), x)
-        x2d = x2d.to(torch.bfloat16)
         if x2d.shape[0] > kernels.MAX_ROWS:  # prefill: one bf16 GEMM on the int8 codes (exact in bf16)
-            return self._finish(F.linear(x2d, self.weight.to(torch.bfloat16)).float() * self.scales.float(), x)
-        return self._finish(torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scales), x)
+            y = F.linear(x2d.to(torch.bfloat16), self.weight.to(torch.bfloat16)).float() * self.scales.float()
+        elif (ops := kernels.ops()) is not None:  # decode, short prompts, speculative checks
+            y = ops.int8_gemv(x2d, self.weight, self.scales)
+        else:  # no C++ compiler here
+            y = torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16), self.weight, self.scales)
+        return self._finish(y, x)
 
 
 def _unpack_int4_cpu(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:

@@ -178,14 +178,13 @@ def awq(model, config: AWQ, progress=None, samples=None) -> dict[str, dict]:
         for name, (linear, _) in linears.items():
             if config.clip:
                 # q and k feed a softmax that a linear output error does not model: the reference leaves them.
-                rows = _v_rows(attn) if name.endswith("qkv_proj") \
-                    else slice(None)
+                rows = _v_rows(attn) if name.endswith("qkv_proj") else slice(None)
                 w = linear.weight.detach().float().clone()
                 w[rows] = search_clip(w[rows], Hs[name], specs[name])
                 linear.weight.data = w  # float32; the packing below takes its grid from these values
-            g = specs[name].group_size
-            replace_module(model, name, W4A16Linear.from_float(linear, g))
-            records[name] = {"scheme": "w4a16", "group_size": g}
+            new = W4A16Linear.from_float(linear, specs[name].group_size)
+            replace_module(model, name, new)
+            records[name] = new.record()
             if progress:
                 progress(name)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from leanlm.compress.quant.linear import Int8OutlierLinear
-from leanlm.compress.registry import decoder_linears, register, replace
+from leanlm.compress.quant.rtn import quantize_decoder
+from leanlm.compress.registry import register
 from leanlm.errors import LeanLMError
 
 
@@ -29,11 +30,4 @@ class LLMInt8:
 
 @register(LLMInt8)
 def llm_int8(model, config: LLMInt8, progress=None, samples=None) -> dict[str, dict]:
-    records = {}
-    for name, linear in list(decoder_linears(model)):
-        new = Int8OutlierLinear.from_float(linear, config.threshold)
-        replace(model, name, new)
-        records[name] = new.record()
-        if progress:
-            progress(name)
-    return records
+    return quantize_decoder(model, Int8OutlierLinear.SCHEME, progress=progress, threshold=config.threshold)

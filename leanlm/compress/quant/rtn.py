@@ -13,6 +13,12 @@ from leanlm.models.layers import Linear
 __all__ = ["SCHEMES", "RTN", "FP8", "group_for", "quantize_layer", "quantize_decoder"]
 
 
+def check_int4_group(group_size: int) -> None:
+    """The options' check of an int4 group size: one the W4A16 kernel takes."""
+    if group_size not in W4A16Linear.GROUP_SIZES:
+        raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES} for 4 bits, got {group_size}")
+
+
 @dataclass(frozen=True)
 class RTN:
     """bits 8: per-channel int8 weights (W8A16, or W8A8 with act_bits=8); bits 4: int4 groups along K."""
@@ -29,8 +35,8 @@ class RTN:
             raise LeanLMError(f"--act-bits must be 8 or 16, got {self.act_bits}")
         if self.bits == 4 and self.act_bits == 8:
             raise LeanLMError("W4A8 has no kernel here; use --bits 4 (W4A16) or --bits 8 --act-bits 8 (W8A8)")
-        if self.bits == 4 and self.group_size not in W4A16Linear.GROUP_SIZES:
-            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES} for 4 bits, got {self.group_size}")
+        if self.bits == 4:
+            check_int4_group(self.group_size)
 
     @property
     def scheme(self) -> str:
@@ -49,8 +55,7 @@ class Int4Options:
     def __post_init__(self):
         if self.bits != 4:
             raise LeanLMError(f"{self.name} runs on the int4 kernel here: --bits 4, got {self.bits}")
-        if self.group_size not in W4A16Linear.GROUP_SIZES:
-            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES}, got {self.group_size}")
+        check_int4_group(self.group_size)
 
 
 def group_for(in_features: int, group_size: int) -> int:
@@ -61,20 +66,20 @@ def group_for(in_features: int, group_size: int) -> int:
     raise LeanLMError(f"no int4 group size <= {group_size} divides in_features={in_features}")
 
 
-def quantize_layer(linear, scheme: str, group_size: int = 128):
-    """(quantized module, record) for one nn.Linear."""
+def quantize_layer(linear, scheme: str, group_size: int = 128, **options):
+    """(quantized module, record) for one nn.Linear; `options` go to the scheme's from_float (threshold=...)."""
     if scheme == "w4a16":
         new = W4A16Linear.from_float(linear, group_for(linear.in_features, group_size))
     else:
-        new = SCHEMES[scheme].from_float(linear)
+        new = SCHEMES[scheme].from_float(linear, **options)
     return new, new.record()
 
 
-def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None) -> dict[str, dict]:
+def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None, **options) -> dict[str, dict]:
     """Replace every decoder projection with its quantized module; {layer name: record}."""
     records = {}
     for name, linear in list(decoder_linears(model)):
-        new, records[name] = quantize_layer(linear, scheme, group_size)
+        new, records[name] = quantize_layer(linear, scheme, group_size, **options)
         replace(model, name, new)
         if progress:
             progress(name)
@@ -111,8 +116,8 @@ class Head:
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise LeanLMError(f"the lm_head is quantized to 8 (per-channel) or 4 (groups) bits, got {self.bits}")
-        if self.bits == 4 and self.group_size not in W4A16Linear.GROUP_SIZES:
-            raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES} for 4 bits, got {self.group_size}")
+        if self.bits == 4:
+            check_int4_group(self.group_size)
 
 
 @register(Head)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leanlm import kernels
+from leanlm.compress.quant.linear import pack_int4
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
           "lm_head": (49152, 576)}  # SmolLM2-135M, [N, K]
@@ -39,7 +40,7 @@ def main() -> None:
     ops, G = kernels.ops(), args.group_size
     reduction = torch.compile(lambda x, w: (x.float() * w.float()).sum(-1).to(x.dtype), dynamic=False)
     table = Table(title=f"batch-1 products, {args.threads} threads: microseconds (GB/s of weights read)")
-    for col in ("matrix", "bf16 reduction", "torch int8pack", "leanlm int8", "torch int4pack"):
+    for col in ("matrix", "bf16 reduction", "torch int8pack", "leanlm int8", "torch int4pack", "leanlm int4"):
         table.add_column(col, justify="left" if col == "matrix" else "right")
     for name, (N, K) in SHAPES.items():
         copies = max(2, int(256e6 // (N * K * 2)))
@@ -54,6 +55,8 @@ def main() -> None:
             "int8": (ops.int8_gemv, [(x, w, s8) for w in q8], 1),
             "int4pack": (torch.ops.aten._weight_int4pack_mm_for_cpu,
                          [(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), G, sz) for q in q4], 0.5),
+            "int4": (ops.int4_gemv, [(x, pack_int4(q.to(torch.uint8)), s4.t().contiguous(), s4.t().contiguous(), G)
+                                     for q in q4], 0.5),
         }
         cells = []
         for fn, calls, nbytes in runs.values():

@@ -1,11 +1,21 @@
-// The W8A16 product for decode on CPU: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k], w [N, K] int8 with one
-// scale per row, accumulated in float32, for a few rows of x (decode, a short prompt, a speculative check).
-// Each weight byte is read from memory once: tiles of 64 weight rows stay in cache while blocks of up to 8 rows
-// of x use them.
+// Products of a few activation rows (decode, a short prompt, a speculative check) with quantized weights, on CPU:
+//   int8_gemv: y[m, n] = scale[n] * sum_k x[m, k] w[n, k]               w [N, K] int8, one scale per row
+//   int4_gemv: y[m, n] = sum_k x[m, k] ((q[n, k] - 8) s[n, k/g] + z[n, k/g])   q in [0, 15], groups of g along K
 //
-// Built at first use by leanlm/kernels/__init__.py with -march=native. With AVX-512 (F, BW) the inner loop is
-// written with intrinsics; otherwise a plain loop. LEANLM_PORTABLE forces the plain loop (the tests build both
-// and check each against a float reference).
+// The activation rows are rounded to int16 with one scale per row (error at most 2^-16 of the row's largest
+// entry, far below the 2^-9 of the bf16 rows themselves), so the inner loops are integer dot products:
+// AVX-512 VNNI `vpdpwssd` multiplies 32 int16 pairs into 16 int32 lanes, half the instructions per weight of
+// widening to float and FMA; the weights stream from memory at full speed instead of the cores falling behind.
+//
+// int4 layout (pack_int4 in compress/quant/linear.py): rows in tiles of 16; a tile holds, for every 4 columns
+// k..k+3, 32 bytes where bytes 2i and 2i + 1 are row i's (q[k] | q[k + 2] << 4) and (q[k + 1] | q[k + 3] << 4).
+// Zero-extended to 16 bits, a byte pair is one 32-bit lane: `& 15` gives row i's pair (q[k], q[k + 1]), `>> 4`
+// the pair (q[k + 2], q[k + 3]), each against one broadcast pair of activations. The 16 lanes are 16 output rows,
+// so a tile needs no horizontal sum, and its group scales are one vector load.
+//
+// Built at first use by leanlm/kernels/__init__.py with -march=native. With AVX-512 (F, BW, VNNI) the loops are
+// intrinsics; otherwise plain loops in float. LEANLM_PORTABLE forces the plain loops (the tests build both and
+// check each against a float reference).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -15,112 +25,224 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #ifndef LEANLM_NS
 #define LEANLM_NS leanlm  // the op namespace: torch.ops.leanlm.*
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(LEANLM_PORTABLE)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(LEANLM_PORTABLE)
 #define LEANLM_AVX512 1
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;  // rows of x per pass over a tile of weights (accumulators in registers)
-constexpr int64_t kTile = 64;    // rows of w per tile: a tile stays in cache while every block of x rows uses it
+using bf16 = c10::BFloat16;
+constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weights (their accumulators stay in registers)
 
-// x [M, K] (float32, bf16 or fp16, any strides) as float32: a plain loop, no tensor ops (each of those costs
-// microseconds, which add up over the ~120 products of a decode step).
-std::vector<float> rows_as_float(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
-  std::vector<float> out(M * K);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows_as_float", [&] {
-    const scalar_t* p = x.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) out[m * K + k] = float(p[m * x.stride(0) + k * x.stride(1)]);
-  });
-  return out;
-}
+// The rows of x as float32 (any float dtype, any strides), and for the vector loops also as int16 with a scale
+// per row, zero-padded to Kp (a multiple of 32). Plain loops: a tensor op costs microseconds, ~120 per step.
+struct Rows {
+  int64_t M, K, Kp;
+  std::vector<float> f;     // [M, K]
+  std::vector<int16_t> q;   // [M, Kp]
+  std::vector<float> scale; // [M]: x ~ q * scale
 
-void check(const at::Tensor& x, const at::Tensor& w, int64_t K) {
-  TORCH_CHECK(x.dim() == 2, "int8_gemv takes x [M, K], got ", x.sizes());
+  explicit Rows(const at::Tensor& x) : M(x.size(0)), K(x.size(1)), Kp((K + 31) / 32 * 32), f(M * K) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows", [&] {
+      const scalar_t* p = x.data_ptr<scalar_t>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) f[m * K + k] = float(p[m * x.stride(0) + k * x.stride(1)]);
+    });
+#ifdef LEANLM_AVX512
+    q.assign(M * Kp, 0);
+    scale.resize(M);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* fm = f.data() + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(fm[k]));
+      scale[m] = amax / 32767.f;
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      for (int64_t k = 0; k < K; ++k) q[m * Kp + k] = int16_t(std::nearbyint(fm[k] * inv));
+    }
+#endif
+  }
+};
+
+at::Tensor check(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, at::ScalarType wtype,
+                 const char* what) {
+  TORCH_CHECK(x.dim() == 2, "the product takes x [M, K], got ", x.sizes());
   TORCH_CHECK(x.size(1) == K, "x has K = ", x.size(1), ", the weight ", K);
+  TORCH_CHECK(w.scalar_type() == wtype, "wants ", what);
   TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "the weight must be a contiguous CPU tensor");
+  return at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
 }
 
 #ifdef LEANLM_AVX512
-// Row n of w against M rows of x; M is a template constant so that every accumulator lives in a register.
-// Rows are read one after another (interleaving several rows' streams measured ~2x slower from memory); for
-// one or two rows of x, U accumulators per row hide the FMA latency.
+constexpr int64_t kChunk = 4096;  // int32 sums go to float this often: |sum| < 2 * 32767 * 128 * 4096 / 32 < 2^31
+
+inline __m512 bf16x16(const bf16* p) {  // 16 bf16 -> float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline __m512i pair(const int16_t* p) {  // broadcast two adjacent int16 to every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows n0..n1 of w against M rows of x, along K: each row's 16 int32 lanes are summed at its end.
 template <int M>
-void int8_row_avx512(const float* x, int64_t K, const int8_t* w, const c10::BFloat16* scale, float* y, int64_t N,
-                     int64_t n) {
-  constexpr int U = M <= 2 ? 4 : 1;
-  const int8_t* row = w + n * K;
-  __m512 acc[M][U];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 * U <= K; k += 16 * U)
-    for (int u = 0; u < U; ++u) {
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + k + 16 * u))));
-      for (int m = 0; m < M; ++m) acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
+void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int8_t* w, const bf16* scale,
+               float* y, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    __m512 sum[M];
+    for (int m = 0; m < M; ++m) sum[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K; c += kChunk) {
+      const int64_t end = std::min(K, c + kChunk);
+      __m512i acc[M][2];  // two chains hide vpdpwssd's latency when M is small
+      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+      int64_t k = c;
+      for (; k + 64 <= end; k += 64)
+        for (int u = 0; u < 2; ++u) {
+          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(row + k + 32 * u)));
+          for (int m = 0; m < M; ++m)
+            acc[m][u] = _mm512_dpwssd_epi32(acc[m][u], wv, _mm512_loadu_si512(xq + m * Kp + k + 32 * u));
+        }
+      for (; k < end; k += 32) {  // x is zero-padded to Kp, so only the weight load is masked
+        const __mmask32 mask = end - k >= 32 ? ~0u : (1u << (end - k)) - 1;
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, row + k));
+        for (int m = 0; m < M; ++m)
+          acc[m][0] = _mm512_dpwssd_epi32(acc[m][0], wv, _mm512_loadu_si512(xq + m * Kp + k));
+      }
+      for (int m = 0; m < M; ++m)
+        sum[m] = _mm512_add_ps(sum[m], _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1])));
     }
-  for (; k < K; k += 16) {  // the last K % (16 U) weights
-    const __mmask16 mask = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-    const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row + k)));
-    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * K + k), acc[m][0]);
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int u = 1; u < U; ++u) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][u]);
-    y[m * N + n] = _mm512_reduce_add_ps(acc[m][0]) * float(scale[n]);
+    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(sum[m]) * xs[m] * float(scale[n]);
   }
 }
 
+// Tiles t0..t1 (16 rows each) of the int4 weight against M rows of x; xsum [M, K/g]: x's sum over each group.
 template <int M>
-void int8_block(const float* x, int64_t K, const int8_t* w, const c10::BFloat16* scale, float* y, int64_t N,
-                int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) int8_row_avx512<M>(x, K, w, scale, y, N, n);
+void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K, int64_t Kp, const uint8_t* w,
+                const bf16* scales, const bf16* zeros, int64_t g, float* y, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int U = M <= 2 ? 2 : 1;  // quads of columns per step: 2 U chains of vpdpwssd hide its latency
+  const int64_t G = K / g;
+  const __m512i low4 = _mm512_set1_epi16(15);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * 8 * K;  // 16 rows x K / 2 bytes
+    __m512 sum[M];
+    for (int m = 0; m < M; ++m) sum[m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < G; ++j) {
+      __m512i acc[M][2 * U];
+      for (int m = 0; m < M; ++m)
+        for (int u = 0; u < 2 * U; ++u) acc[m][u] = _mm512_setzero_si512();
+      for (int64_t k = j * g; k < (j + 1) * g; k += 4 * U)
+        for (int u = 0; u < U; ++u) {
+          const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tile + (k + 4 * u) * 8)));
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+          for (int m = 0; m < M; ++m) {
+            const int16_t* xm = xq + m * Kp + k + 4 * u;
+            acc[m][2 * u] = _mm512_dpwssd_epi32(acc[m][2 * u], lo, pair(xm));
+            acc[m][2 * u + 1] = _mm512_dpwssd_epi32(acc[m][2 * u + 1], hi, pair(xm + 2));
+          }
+        }
+      for (int m = 0; m < M; ++m)
+        for (int u = 1; u < 2 * U; ++u) acc[m][0] = _mm512_add_epi32(acc[m][0], acc[m][u]);
+      // x w = s (x q) + (z - 8 s) x over the group, with x q = xs * (xq q)
+      const __m512 s = bf16x16(scales + j * N + t * 16);
+      const __m512 zb = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16(zeros + j * N + t * 16));
+      for (int m = 0; m < M; ++m) {
+        const __m512 dot = _mm512_cvtepi32_ps(acc[m][0]);
+        sum[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(xs[m])), sum[m]);
+        sum[m] = _mm512_fmadd_ps(zb, _mm512_set1_ps(xsum[m * G + j]), sum[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * N + t * 16, sum[m]);
+  }
 }
 
-using Int8Block = void (*)(const float*, int64_t, const int8_t*, const c10::BFloat16*, float*, int64_t, int64_t,
-                           int64_t);
-constexpr Int8Block kInt8Blocks[] = {nullptr,        int8_block<1>, int8_block<2>, int8_block<3>, int8_block<4>,
-                                     int8_block<5>, int8_block<6>, int8_block<7>, int8_block<8>};
+using Int8Rows = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const bf16*, float*,
+                         int64_t, int64_t, int64_t);
+constexpr Int8Rows kInt8[] = {nullptr,      int8_rows<1>, int8_rows<2>, int8_rows<3>, int8_rows<4>,
+                              int8_rows<5>, int8_rows<6>, int8_rows<7>, int8_rows<8>};
+using Int4Tiles = void (*)(const int16_t*, const float*, const float*, int64_t, int64_t, const uint8_t*,
+                           const bf16*, const bf16*, int64_t, float*, int64_t, int64_t, int64_t);
+constexpr Int4Tiles kInt4[] = {nullptr,       int4_tiles<1>, int4_tiles<2>, int4_tiles<3>, int4_tiles<4>,
+                               int4_tiles<5>, int4_tiles<6>, int4_tiles<7>, int4_tiles<8>};
 #endif
 
-void int8_row(const float* x, int64_t M, int64_t K, const int8_t* w, const c10::BFloat16* scale, float* y,
-              int64_t N, int64_t n) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    const int8_t* wn = w + n * K;
-    float acc = 0.f;
-    for (int64_t k = 0; k < K; ++k) acc += xm[k] * float(wn[k]);
-    y[m * N + n] = acc * float(scale[n]);
-  }
+// q[n, k] of the tiled int4 layout above
+inline int nibble(const uint8_t* w, int64_t K, int64_t n, int64_t k) {
+  const uint8_t b = w[(n / 16) * 8 * K + (k / 4) * 32 + 2 * (n % 16) + (k % 2)];
+  return k % 4 < 2 ? b & 15 : b >> 4;
 }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  check(x, w, K);
-  TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 && scale.numel() == N,
-              "int8_gemv wants an int8 weight [N, K] and bf16 scales [N]");
-  const std::vector<float> xf = rows_as_float(x);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data();
+  at::Tensor y = check(x, w, N, K, at::kChar, "an int8 weight [N, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N, "int8_gemv wants bf16 scales [N]");
+  const Rows r(x);
   const int8_t* wp = w.data_ptr<int8_t>();
-  const c10::BFloat16* sp = scale.data_ptr<c10::BFloat16>();
+  const bf16* sp = scale.data_ptr<bf16>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
 #ifdef LEANLM_AVX512
-    for (int64_t t0 = n0; t0 < n1; t0 += kTile)
+    for (int64_t t = n0; t < n1; t += 64)  // 64 weight rows stay in cache while each block of x rows uses them
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-        kInt8Blocks[std::min(kMaxRows, M - m0)](xp + m0 * K, K, wp, sp, yp + m0 * N, N, t0, std::min(t0 + kTile, n1));
+        kInt8[std::min(kMaxRows, M - m0)](r.q.data() + m0 * r.Kp, r.scale.data() + m0, K, r.Kp, wp, sp,
+                                          yp + m0 * N, N, t, std::min(t + 64, n1));
 #else
-    for (int64_t n = n0; n < n1; ++n) int8_row(xp, M, K, wp, sp, yp, N, n);
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) acc += r.f[m * K + k] * float(wp[n * K + k]);
+        yp[m * N + n] = acc * float(sp[n]);
+      }
+#endif
+  });
+  return y;
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
+                     int64_t g) {
+  const int64_t N = w.size(0), K = 2 * w.size(-1), M = x.size(0);
+  at::Tensor y = check(x, w, N, K, at::kByte, "a uint8 int4 weight [N, K / 2]");
+  TORCH_CHECK(g > 0 && g % 4 == 0 && K % g == 0 && N % 16 == 0, "int4_gemv needs K (", K, ") a multiple of the group ",
+              g, " (a multiple of 4) and N (", N, ") of 16");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
+                  scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
+                  zeros.is_contiguous(),
+              "int4_gemv wants contiguous bf16 scales and zeros [K / g, N]");
+  const Rows r(x);
+  const int64_t G = K / g;
+  std::vector<float> xsum(M * G, 0.f);  // for the zero points: sum_k x (z - 8 s) over each group
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xsum[m * G + k / g] += r.f[m * K + k];
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / 16, 2, [&](int64_t t0, int64_t t1) {
+#ifdef LEANLM_AVX512
+    for (int64_t t = t0; t < t1; t += 4)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+        kInt4[std::min(kMaxRows, M - m0)](r.q.data() + m0 * r.Kp, r.scale.data() + m0, xsum.data() + m0 * G, K,
+                                          r.Kp, wp, sp, zp, g, yp + m0 * N, N, t, std::min(t + 4, t1));
+#else
+    for (int64_t n = t0 * 16; n < t1 * 16; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t j = (k / g) * N + n;
+          acc += r.f[m * K + k] * ((nibble(wp, K, n, k) - 8) * float(sp[j]) + float(zp[j]));
+        }
+        yp[m * N + n] = acc;
+      }
 #endif
   });
   return y;
@@ -128,6 +250,12 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY(LEANLM_NS, m) { m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor"); }
+TORCH_LIBRARY(LEANLM_NS, m) {
+  m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) { m.impl("int8_gemv", int8_gemv); }
+TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
+  m.impl("int8_gemv", int8_gemv);
+  m.impl("int4_gemv", int4_gemv);
+}

@@ -8,7 +8,7 @@ from torch import nn
 
 from leanlm import kernels
 from leanlm.compress.quant.linear import (SCHEMES, FP8Linear, Int8OutlierLinear, W4A16Linear, W8A8Linear,
-                                         W8A16Linear, _unpack_int4_cpu)
+                                         W8A16Linear, pack_int4, unpack_int4)
 from leanlm.compress.quant.primitives import sqnr_db
 from leanlm.errors import LeanLMError
 
@@ -107,11 +107,16 @@ def test_resident_bytes_match_bits(name, bytes_per_weight):
     assert total <= 1.1 * (N * K * bytes_per_weight + N * (K // (g or K)) * 4)
 
 
-@pytest.mark.parametrize("N", [16, 48, 64, 80, 192])
-def test_int4_unpack_inverts_kernel_packing(N):
-    q = torch.randint(0, 16, (N, 64), dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    assert torch.equal(_unpack_int4_cpu(packed, N, 64).int(), q)
+@pytest.mark.parametrize("N", [16, 48, 192])
+def test_int4_packing(N):
+    q = torch.randint(0, 16, (N, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (N, 32) and torch.equal(unpack_int4(packed), q)
+    # the layout cpu.cpp reads: row 16 t + i, columns 4 j + r -> tile t, 32 bytes per j, byte 2 i + r % 2
+    t, i, j = N // 16 - 1, 5, 3
+    byte = packed.reshape(-1)[t * 16 * 32 + j * 32 + 2 * i : t * 16 * 32 + j * 32 + 2 * i + 2]
+    row = q[16 * t + i, 4 * j : 4 * j + 4]
+    assert byte.tolist() == [row[0] | row[2] << 4, row[1] | row[3] << 4]
 
 
 def test_w4a16_bad_shapes_raise():

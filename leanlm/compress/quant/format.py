@@ -15,7 +15,7 @@ from leanlm.compress.registry import replace
 from leanlm.errors import LeanLMError
 
 RECORD = "quantization.json"
-VERSION = 1  # of quantization.json and the tensors it describes; a reader refuses other versions
+VERSION = 2  # of quantization.json and the tensors it describes; a reader refuses other versions
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 

@@ -2,12 +2,12 @@
 and `dequantized_weight()` (the float weight the kernel computes with) for checks.
 
 Kernel facts measured on the 2-core Zen 4 box with torch 2.13:
-- W8A16 decode (up to 16 rows) runs leanlm's int8 kernel (leanlm/kernels): 1.5-2.5x torch's `_weight_int8pack_mm`
-  on a small model's matrices (`benchmarks/kernels.py`). `_weight_int8pack_mm` wants activations and scales in one
-  dtype; it is ~10x slower with float32, so it runs in bf16.
-- `_weight_int4pack_mm_for_cpu` computes x @ ((q - 8) * scale + zero).T with q in [0, 15] and
-  scales_and_zeros [K/g, N, 2] (bf16); the packing needs N % 16 == 0 and K % g == 0. It beat our own int4 kernel
-  (bf16 dot products along K with `vdpbf16ps`) by ~25% on every SmolLM2 matrix, so W4A16 keeps it.
+- W8A16 decode (up to 16 rows) and W4A16 run leanlm's kernels (leanlm/kernels): ~2x torch's `_weight_int8pack_mm`
+  and up to 1.6x `_weight_int4pack_mm_for_cpu` on the default model's matrices (`benchmarks/kernels.py`).
+  `_weight_int8pack_mm` (W8A16 without a C++ compiler) wants activations and scales in one dtype; it is ~10x
+  slower with float32, so it runs in bf16.
+- The int4 kernel also serves prefill: at 128-512 rows it is 1.2-2.4x slower than a bf16 GEMM but 2-6x faster
+  than dequantizing the weight for one (qwen2.5-0.5b's MLP shapes, two threads).
 - `torch._int_mm` on CPU accepts any shape; at M = 1 with the [N, K] weight passed as a transposed view it is
   ~6x faster than an int32 matmul and ~18x faster than padding M to 17 (4096x4096, one thread)."""
 
@@ -117,23 +117,25 @@ class W8A16Linear(_QuantLinearBase):
         return self._finish(y, x)
 
 
-def _unpack_int4_cpu(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """Invert `_convert_weight_to_int4pack_for_cpu` (layout read off the op): rows in blocks of 64 where byte j
-    of column k holds rows j (low nibble) and j + 32 (high); a tail of N % 64 rows holds row pairs
-    (2j low, 2j + 1 high).  packed [N, K/2] uint8 -> q [N, K] uint8 in [0, 15]"""
-    flat, n64, parts = packed.reshape(-1), N // 64 * 64, []
-    if n64:
-        b = flat[: n64 * K // 2].reshape(n64 // 64, K, 32)
-        parts.append(torch.cat([b & 15, b >> 4], -1).permute(0, 2, 1).reshape(n64, K))
-    if N > n64:
-        b = flat[n64 * K // 2 :].reshape(K, (N - n64) // 2)
-        parts.append(torch.stack([b & 15, b >> 4], -1).reshape(K, N - n64).t())
-    return torch.cat(parts, 0)
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel's layout (kernels/cpu.cpp): rows in tiles of 16; per tile and 4 columns k..k+3, 32 bytes
+    where bytes 2i, 2i + 1 hold row i's (q[k] | q[k+2] << 4), (q[k+1] | q[k+3] << 4).
+    q [N, K] in [0, 15], N % 16 == K % 4 == 0 -> [N, K/2] uint8"""
+    N, K = q.shape
+    t = q.to(torch.uint8).reshape(N // 16, 16, K // 4, 4).transpose(1, 2)  # [N/16, K/4, 16, 4]
+    return (t[..., :2] | (t[..., 2:] << 4)).reshape(N, K // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4.  [N, K/2] uint8 -> q [N, K] uint8"""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    t = packed.reshape(N // 16, K // 4, 16, 2)
+    return torch.cat([t & 15, t >> 4], -1).transpose(1, 2).reshape(N, K)
 
 
 class W4A16Linear(_QuantLinearBase):
-    """Asymmetric 4-bit weights in groups of 32/64/128 along K, bf16 activations; CPU kernel
-    `aten._weight_int4pack_mm_for_cpu`.  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
+    """Asymmetric 4-bit weights in groups of 32/64/128 along K, 16-bit activations, leanlm's int4 kernel on CPU
+    (kernels/cpu.cpp).  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
 
     GROUP_SIZES = (32, 64, 128)
     BITS = 4
@@ -149,12 +151,14 @@ class W4A16Linear(_QuantLinearBase):
             raise LeanLMError(f"W4A16 group_size={group_size} does not divide in_features={in_features}; "
                               + (f"use one of {fits}" if fits else "keep this layer in 8 or 16 bits"))
         if out_features % 16:
-            raise LeanLMError(f"W4A16 needs out_features divisible by 16 (the int4 kernel's packing), "
+            raise LeanLMError(f"W4A16 needs out_features divisible by 16 (the int4 kernel's tiles), "
                               f"got {out_features}; keep this layer in 8 or 16 bits")
-        self.group_size = group_size
+        self.group_size, G = group_size, in_features // group_size
+        # w = (q - 8) * scale + zero: `zero` is the weight where q = 8 (mid-range, so bf16 holds it closely)
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales_and_zeros",  # [K/g, N, 2]: scale, and the float value of q = 8
-                             torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16))
+        self.register_buffer("scales", torch.zeros(G, out_features, dtype=torch.bfloat16))  # [K/g, N]
+        self.register_buffer("zeros", torch.zeros(G, out_features, dtype=torch.bfloat16))  # [K/g, N]
+        kernels.ops()
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 128, qparams=None) -> "W4A16Linear":
@@ -164,24 +168,22 @@ class W4A16Linear(_QuantLinearBase):
         w = linear.weight.detach().float().cpu()
         spec = QuantSpec(4, symmetric=False, granularity="group", group_size=group_size)
         scale, zero = compute_qparams(w, spec) if qparams is None else qparams  # [N, K/g]
-        q = quantize(w, scale, zero, spec)  # [N, K] uint8 in [0, 15]
-        # Kernel convention: w = (q - 8) * s + zz, ours: w = (q - z) * s  =>  zz = (8 - z) * s.
-        sz = torch.stack([scale, (8 - zero.float()) * scale], -1).transpose(0, 1)  # [K/g, N, 2]
-        m.scales_and_zeros = sz.to(torch.bfloat16).contiguous()
-        m.weight_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        m.weight_packed = pack_int4(quantize(w, scale, zero, spec))
+        m.scales = scale.t().to(torch.bfloat16).contiguous()
+        m.zeros = ((8 - zero.float()) * scale).t().to(torch.bfloat16).contiguous()  # (q - z) s = (q - 8) s + (8 - z) s
         return m.to(linear.weight.device)
 
     def dequantized_weight(self) -> torch.Tensor:
         """Float32 weight the kernel uses  # [N, K]"""
-        q = _unpack_int4_cpu(self.weight_packed, self.out_features, self.in_features).float()
-        sz = self.scales_and_zeros.float().repeat_interleave(self.group_size, 0)  # [K, N, 2]
-        return (q - 8) * sz[..., 0].t() + sz[..., 1].t()
+        q = unpack_int4(self.weight_packed).float()
+        g = self.group_size
+        return (q - 8) * self.scales.float().t().repeat_interleave(g, 1) + self.zeros.float().t().repeat_interleave(g, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cpu:
+        if not x.is_cpu or (ops := kernels.ops()) is None:
             return self._reference(x)
-        x2d = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.weight_packed, self.group_size, self.scales_and_zeros)
+        y = ops.int4_gemv(x.reshape(-1, self.in_features), self.weight_packed, self.scales, self.zeros,
+                          self.group_size)
         return self._finish(y, x)
 
     def options(self) -> dict:

@@ -14,6 +14,8 @@ measured in the same run. Run it on an otherwise idle machine: on two cores a se
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leanlm.bench.compare import quality, speed
+from leanlm.compress.quant import format as qformat
 from leanlm.fetch import cache_dir
 
 err = Console(stderr=True)
@@ -49,6 +52,8 @@ def quantized(model: str, variant: str, samples: int, seq_len: int) -> Path:
     calibrated = any(m in options for m in CALIBRATED)
     tag = f"{variant}-n{samples}x{seq_len}" if calibrated else variant
     out = cache_dir() / "bench-quant" / model / tag
+    if out.exists() and json.loads((out / qformat.RECORD).read_text()).get("version") != qformat.VERSION:
+        shutil.rmtree(out)  # made by an older leanlm
     if not out.exists():
         cmd = [sys.executable, "-m", "leanlm.cli", "quantize", model, *options, "-o", str(out)]
         if calibrated:

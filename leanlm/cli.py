@@ -16,7 +16,8 @@ from leanlm.errors import LeanLMError
 app = typer.Typer(help="Make transformer language models cheap to run, and see what it costs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 err = Console(stderr=True)
-out = Console()
+# Piped or redirected, rich would fit tables to 80 columns by cutting cells (numbers too); print them whole.
+out = Console() if sys.stdout.isatty() else Console(width=200)
 
 Model = Annotated[str, typer.Argument(help="zoo name (see `leanlm pull --list`), HF model directory, or .gguf file")]
 DType = Annotated[str, typer.Option(help="weights/activations dtype: auto (bfloat16), float32, bfloat16, float16")]
@@ -354,8 +355,9 @@ def compare(
         return
     text = data or "the built-in evaluation text"
     table = Table(title=f"compared with {base} on {rows[0].tokens if rows else 0} tokens of {text}")
-    for col in ("model", "bits/weight", "disk MB", "memory MB", "formula MB", "perplexity", "KL", "top-1", "tok/s", "MBU"):
-        table.add_column(col, justify="left" if col == "model" else "right")
+    table.add_column("model", overflow="fold")  # a long path wraps; numbers are never cut
+    for col in ("bits/weight", "disk MB", "memory MB", "formula MB", "perplexity", "KL", "top-1", "tok/s", "MBU"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         table.add_row(r.model, f"{r.bits_per_weight:.2f}", f"{r.disk_mb:.1f}", f"{r.memory_mb:.1f}", f"{r.formula_mb:.1f}",
                       f"{r.perplexity:.3f}", f"{r.kl:.4f}", f"{r.top1:.1%}",

@@ -22,7 +22,9 @@ from leanlm.models.transformer import Transformer
 # recomputed for every one of its output rows, which made the kernels compute-bound. At batch 1 those
 # activations are a single row, so storing them costs nothing. Measured on the default model, bf16, two
 # threads (tokens/s): default 60, threshold 16: 70, 12: 73, 10: 82, 9: 83, 8: 90, 7: 77, 4: 65, 2: 75.
-INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "realize_opcount_threshold": 8}, "cuda": {}}
+# size_asserts off: the launcher would check the sizes and strides of each of its ~250-490 inputs (the weights
+# among them) on every step, ~0.2 ms on the default model; the model is fixed once compiled (see CompiledDecoder).
+INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "realize_opcount_threshold": 8, "size_asserts": False}, "cuda": {}}
 
 
 class _SlotCache:

@@ -53,10 +53,11 @@ struct Rows {
   std::vector<float> scale; // [M]: x ~ q * scale
 
   explicit Rows(const at::Tensor& x) : M(x.size(0)), K(x.size(1)), Kp((K + 31) / 32 * 32), f(M * K) {
+    const int64_t sm = x.stride(0), sk = x.stride(1);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows", [&] {
       const scalar_t* p = x.data_ptr<scalar_t>();
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) f[m * K + k] = float(p[m * x.stride(0) + k * x.stride(1)]);
+        for (int64_t k = 0; k < K; ++k) f[m * K + k] = float(p[m * sm + k * sk]);
     });
 #ifdef LEANLM_AVX512
     q.assign(M * Kp, 0);
@@ -223,7 +224,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t G = K / g;
   std::vector<float> xsum(M * G, 0.f);  // for the zero points: sum_k x (z - 8 s) over each group
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xsum[m * G + k / g] += r.f[m * K + k];
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t k = j * g; k < (j + 1) * g; ++k) xsum[m * G + j] += r.f[m * K + k];
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
   float* yp = y.data_ptr<float>();

@@ -44,8 +44,8 @@ def test_quality_rows(variants):
     assert 16 > w8.bits_per_weight > w4.bits_per_weight
     for row in (base, w8, w4):  # resident weights follow the formula (scales are the difference)
         assert row.formula_mb <= row.memory_mb <= 1.1 * row.formula_mb
-    for row in (w8, w4):  # saved as they are resident (the base directory holds float32 weights)
-        assert row.disk_mb == pytest.approx(row.memory_mb, rel=0.05)
+    for row in (w8, w4):  # saved as they are resident (the base directory holds float32 weights); the safetensors
+        assert row.disk_mb == pytest.approx(row.memory_mb, rel=0.1)  # header's few KB are ~6% of this tiny model
 
 
 def test_speed_runs_bench_in_a_fresh_process(variants):
@@ -61,6 +61,9 @@ def test_compare_cli_json(variants):
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert [row["model"] for row in rows] == dirs and rows[0]["kl"] == 0 and rows[2]["kl"] > 0
+    r = leanlm("compare", *dirs, "--data", text, "--max-tokens", "300", "--no-speed")  # a pipe: rich's 80 columns
+    assert r.returncode == 0, r.stderr
+    assert all(f"{row['perplexity']:.3f}" in r.stdout for row in rows), r.stdout  # whole numbers, not cut to fit
     r = leanlm("compare", dirs[0], dirs[1], "--data", text, "--max-tokens", "300", "--eager", "--threads", "1",
                env={**os.environ, "COLUMNS": "250"})
     assert r.returncode == 0, r.stderr

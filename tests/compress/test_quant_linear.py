@@ -36,7 +36,7 @@ def _rel(y, ref):
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
-@pytest.mark.parametrize("M", [1, 7, 33])  # W8A16: 1 and 7 the decode kernel, 33 the prefill GEMM
+@pytest.mark.parametrize("M", [1, 7, 33])  # W8A16: 1 and 7 its kernel, 33 the prefill GEMM; W4A16: 33 = 4 x 8 rows + 1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_dequantized_reference(name, M, dtype):
     cls, kw = MODULES[name]
@@ -51,10 +51,11 @@ def test_kernel_matches_dequantized_reference(name, M, dtype):
     assert sqnr_db(lin.weight.detach(), q.dequantized_weight()) > (14 if cls is W4A16Linear else 25)
 
 
-def test_w8a16_without_the_leanlm_kernel(monkeypatch):  # a machine with no C++ compiler: torch's int8 kernel
+@pytest.mark.parametrize("cls", [W8A16Linear, W4A16Linear])
+def test_without_the_leanlm_kernels(monkeypatch, cls):  # no C++ compiler: torch's int8 kernel, dequantized int4
     monkeypatch.setattr(kernels, "ops", lambda: None)
     lin = _linear(256, 96)
-    q = W8A16Linear.from_float(lin)
+    q = cls.from_float(lin)
     x = torch.randn(3, 256).bfloat16()
     assert _rel(q(x), x.float() @ q.dequantized_weight().T + lin.bias.detach()) < 1e-2
 

@@ -158,7 +158,7 @@ class W4A16Linear(_QuantLinearBase):
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(G, out_features, dtype=torch.bfloat16))  # [K/g, N]
         self.register_buffer("zeros", torch.zeros(G, out_features, dtype=torch.bfloat16))  # [K/g, N]
-        kernels.ops()
+        kernels.ops()  # built (or found) now, not first inside a compiled graph
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 128, qparams=None) -> "W4A16Linear":

@@ -132,7 +132,7 @@ void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const 
 template <int M>
 void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K, int64_t Kp, const uint8_t* w,
                 const bf16* scales, const bf16* zeros, int64_t g, float* y, int64_t N, int64_t t0, int64_t t1) {
-  constexpr int U = M <= 2 ? 2 : 1;  // quads of columns per step: 2 U chains of vpdpwssd hide its latency
+  constexpr int U = M <= 2 ? 2 : 1;  // quads of columns per step, 2 U accumulator chains per row of x
   const int64_t G = K / g;
   const __m512i low4 = _mm512_set1_epi16(15);
   for (int64_t t = t0; t < t1; ++t) {

@@ -132,7 +132,8 @@ void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const 
 template <int M>
 void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K, int64_t Kp, const uint8_t* w,
                 const bf16* scales, const bf16* zeros, int64_t g, float* y, int64_t N, int64_t t0, int64_t t1) {
-  constexpr int U = M <= 2 ? 2 : 1;  // quads of columns per step, 2 U accumulator chains per row of x
+  // one or two rows of x: two quads of columns per step, four accumulator chains (10-20% faster from memory)
+  constexpr int U = M <= 2 ? 2 : 1;
   const int64_t G = K / g;
   const __m512i low4 = _mm512_set1_epi16(15);
   for (int64_t t = t0; t < t1; ++t) {
@@ -214,18 +215,20 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                      int64_t g) {
   const int64_t N = w.size(0), K = 2 * w.size(-1), M = x.size(0);
   at::Tensor y = check(x, w, N, K, at::kByte, "a uint8 int4 weight [N, K / 2]");
-  TORCH_CHECK(g > 0 && g % 4 == 0 && K % g == 0 && N % 16 == 0, "int4_gemv needs K (", K, ") a multiple of the group ",
-              g, " (a multiple of 4) and N (", N, ") of 16");
+  TORCH_CHECK(g > 0 && g % 4 == 0 && K % g == 0 && N % 16 == 0, "int4_gemv needs K (", K,
+              ") a multiple of the group ", g, " (a multiple of 4) and N (", N, ") of 16");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
                   scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
                   zeros.is_contiguous(),
               "int4_gemv wants contiguous bf16 scales and zeros [K / g, N]");
   const Rows r(x);
+#ifdef LEANLM_AVX512
   const int64_t G = K / g;
   std::vector<float> xsum(M * G, 0.f);  // for the zero points: sum_k x (z - 8 s) over each group
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < G; ++j)
       for (int64_t k = j * g; k < (j + 1) * g; ++k) xsum[m * G + j] += r.f[m * K + k];
+#endif
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
   float* yp = y.data_ptr<float>();

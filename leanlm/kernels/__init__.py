@@ -51,13 +51,13 @@ def _build(portable: bool):
     flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}"] + (["-DLEANLM_PORTABLE"] if portable else [])
     try:
         if not _built(name):
-            print("leanlm: compiling the CPU kernel (once, ~10 s)", file=sys.stderr)
+            print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr)
         with warnings.catch_warnings():  # cpp_extension's own deprecation notices are not the user's concern
             warnings.simplefilter("ignore", DeprecationWarning)
             load(name=f"{name}_kernels", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  is_python_module=False)
     except Exception as e:  # no compiler, no headers: quantized layers fall back to torch ops (slower)
-        warnings.warn(f"leanlm: CPU kernel not built ({type(e).__name__}: {str(e)[:200]}); "
+        warnings.warn(f"leanlm: CPU kernels not built ({type(e).__name__}: {str(e)[:200]}); "
                       "quantized layers fall back to slower torch paths")
         return None
     ns = getattr(torch.ops, name)
@@ -83,10 +83,8 @@ def _built(name: str) -> bool:
 def _register_fakes(name: str) -> None:
     """Output shapes for torch.compile's tracing (the kernel itself runs at execution)."""
 
-    @torch.library.register_fake(f"{name}::int8_gemv")
-    def _(x, w, scale):
+    def product(x, w, *_):  # x [M, K], w [N, ...] -> [M, N] float32, for both ops
         return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
-    @torch.library.register_fake(f"{name}::int4_gemv")
-    def _(x, w, scales, zeros, group_size):
-        return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    for op in ("int8_gemv", "int4_gemv"):
+        torch.library.register_fake(f"{name}::{op}", product)

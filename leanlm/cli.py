@@ -264,7 +264,8 @@ def quantize(
                                                         "activations)")] = None,
     act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help="gptq: quantize columns by "
                                                       "decreasing Hessian diagonal (default on)")] = None,
-    alpha: Annotated[Optional[float], typer.Option(help="smoothquant: migration strength in [0, 1] (default 0.7)")] = None,
+    alpha: Annotated[Optional[float], typer.Option(help="smoothquant: migration strength in [0, 1] (default: each "
+                                                        "projection's own, searched on the calibration data)")] = None,
     threshold: Annotated[Optional[float], typer.Option(help="llm_int8: |x| from which an input column stays in 16 "
                                                             "bits (default 6.0)")] = None,
     lm_head: Annotated[int, typer.Option(help="also quantize the output projection: 8 or 4 bits (16: leave it)")] = 16,

@@ -10,7 +10,7 @@ from torch import nn
 from leanlm.compress.quant import format as qformat
 from leanlm.compress.quant.linear import W8A8Linear
 from leanlm.compress.quant.primitives import sqnr_db
-from leanlm.compress.quant.smoothquant import SmoothQuant, fold, smooth, smoothing_scale
+from leanlm.compress.quant.smoothquant import ALPHAS, SmoothQuant, fold, search_alpha, smooth, smoothing_scale
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.errors import LeanLMError
 from leanlm.models.loading import load_model
@@ -42,15 +42,20 @@ def test_fold_is_exact_for_a_norm_then_linear():
     torch.testing.assert_close((x[:, :4] @ new_rows.T) @ new_down.T, (x[:, :4] @ rows.T) @ down.T)
 
 
+@pytest.mark.parametrize("alpha", [0.5, None])
 @pytest.mark.parametrize("smooth_down", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_smoothing_alone_leaves_the_float_model_unchanged(tmp_path, arch, smooth_down):
+def test_smoothing_alone_leaves_the_float_model_unchanged(tmp_path, arch, smooth_down, alpha):
     make_hf_model(arch, tmp_path)
     model = load_model(tmp_path, torch.float32)
     expected = model(TOKENS, POSITIONS)
     norm_before = model.layers[0].input_layernorm.weight.clone()
-    smooth(model, SAMPLES, alpha=0.5, smooth_down=smooth_down)
-    assert not torch.allclose(model.layers[0].input_layernorm.weight, norm_before)  # it did rescale
+    alphas = smooth(model, SAMPLES, alpha=alpha, smooth_down=smooth_down)
+    projections = ["self_attn.qkv_proj", "mlp.gate_up_proj"] + (["mlp.down_proj"] if smooth_down else [])
+    assert set(alphas) == {f"layers.{i}.{p}" for i in range(len(model.layers)) for p in projections}
+    assert all(a == alpha for a in alphas.values()) if alpha is not None else set(alphas.values()) <= {None, *ALPHAS}
+    if alphas["layers.0.self_attn.qkv_proj"] is not None:
+        assert not torch.allclose(model.layers[0].input_layernorm.weight, norm_before)  # it did rescale
     torch.testing.assert_close(model(TOKENS, POSITIONS), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -70,6 +75,27 @@ def test_smoothing_beats_plain_w8a8_on_outlier_channels():
         lin.weight.copy_(w_s)
     smoothed = W8A8Linear.from_float(lin)(x * inv)
     assert sqnr_db(expected, smoothed) > sqnr_db(expected, plain) + 6
+
+
+def test_searched_alpha_has_the_least_w8a8_error_of_its_candidates():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=g)
+    x[:, [3, 40]] *= 50  # outlier channels: plain W8A8 is far from the best
+    w = torch.randn(32, 64, generator=g) * 0.05
+    absmax = x.abs().amax(0)
+
+    def error(s):  # the W8A8 product through the runtime module, against float
+        lin = nn.Linear(64, 32, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(w * s)
+        return (W8A8Linear.from_float(lin)(x / s) - x @ w.T).square().mean().item()
+
+    s, alpha = search_alpha(x, absmax, w)
+    assert alpha in ALPHAS
+    torch.testing.assert_close(s, smoothing_scale(absmax, w, alpha))
+    errors = [error(torch.ones(64))] + [error(smoothing_scale(absmax, w, a)) for a in ALPHAS]
+    assert error(s) == pytest.approx(min(errors), rel=1e-3)
+    assert error(s) < errors[0] / 4
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanlm.compress.quant.awq import AWQ, AWQStats, apply_scales, output_error, search_clip, search_scale
+from leanlm.compress.quant.awq import (AWQ, AWQStats, apply_scales, output_error, search_clip, search_scale,
+                                      weight_salience)
 from leanlm.compress.quant.linear import W4A16Linear
 from leanlm.compress.quant.primitives import QuantSpec, fake_quantize
 from leanlm.compress.quant.rtn import RTN
@@ -76,6 +77,19 @@ def test_alpha_zero_alone_is_rtn(layer):
     s, err = search_scale(W, stats.value, stats.x_mean, SPEC, grid=1)
     assert torch.equal(s, torch.ones(K))
     assert err == pytest.approx(_err(X, W, fake_quantize(W, SPEC)), rel=1e-4)
+
+
+def test_duo_scaling_weighs_in_the_weights_and_never_loses_to_rtn(layer):
+    X, W, stats = layer
+    naive = torch.tensor([(W[:, c].abs() / W[:, c // 32 * 32:(c // 32 + 1) * 32].abs().amax(1)).mean()
+                          for c in range(K)])  # each column's |w| relative to its row's group maximum, averaged
+    torch.testing.assert_close(weight_salience(W, SPEC), naive)
+    rtn = _err(X, W, fake_quantize(W, SPEC))
+    s, err = search_scale(W, stats.value, stats.x_mean, SPEC, duo=True)
+    assert err == pytest.approx(_err(X, W, fake_quantize(W * s, SPEC) / s), rel=1e-4)
+    assert err < 0.6 * rtn
+    _, err = search_scale(W, stats.value, stats.x_mean, SPEC, grid=1, duo=True)  # s = 1 / salience, or s = 1
+    assert err == pytest.approx(min(rtn, _err(X, W, fake_quantize(W / naive, SPEC) * naive)), rel=1e-3)
 
 
 def test_clip_only_shrinks_and_never_hurts_a_group(layer):

@@ -54,16 +54,31 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float
     return ((D @ H) * D).sum().item() / (2 * W.shape[0])
 
 
+def weight_salience(W: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Per input channel, the mean over rows of |w| relative to the largest |w| of its group (AutoAWQ's
+    duo_scaling weight term).  W [N, K] -> [K] float32"""
+    N, K = W.shape
+    g = spec.group_size if spec.granularity == "group" else K
+    Wg = W.detach().float().abs().reshape(N, K // g, g)
+    return (Wg / Wg.amax(-1, keepdim=True).clamp(min=1e-6)).reshape(N, K).mean(0)
+
+
 def search_scale(W: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, spec: QuantSpec,
-                 grid: int = 20) -> tuple[torch.Tensor, float]:
-    """The per-input-channel scale s = mean|x|^alpha, alpha in {0, 1/grid, ..., (grid-1)/grid}, whose rounding
-    fake_quantize(W * s) / s has the least output error, and that error (https://arxiv.org/abs/2306.00978).
-    alpha = 0 is s = 1, plain round-to-nearest, so the result is never worse than RTN on the calibration data.
+                 grid: int = 20, duo: bool = False) -> tuple[torch.Tensor, float]:
+    """The per-input-channel scale s = mean|x|^alpha (duo: mean|x|^alpha / weight_salience^(1 - alpha)), alpha in
+    {0, 1/grid, ..., (grid-1)/grid}, whose rounding fake_quantize(W * s) / s has the least output error, and that
+    error (https://arxiv.org/abs/2306.00978). s = 1, plain round-to-nearest, is always a candidate, so the result
+    is never worse than RTN on the calibration data.
     W [N, K]; H [K, K]; x_mean [K] -> s [K] float32"""
     W, H, x_mean = W.float(), H.float().to(W.device), x_mean.float().to(W.device)
-    best_s, best_err = torch.ones_like(x_mean), float("inf")
-    for i in range(grid):
-        s = x_mean.pow(i / grid).clamp(min=1e-4)  # the reference's floor: a dead channel is not blown up
+    w_mean = weight_salience(W, spec) if duo else None
+    best_s = torch.ones_like(x_mean)
+    best_err = output_error(W, fake_quantize(W, spec), H)
+    for i in range(0 if duo else 1, grid):  # without duo, alpha = 0 is s = 1
+        s = x_mean.pow(i / grid)
+        if w_mean is not None:
+            s = s / (w_mean.pow(1 - i / grid) + 1e-4)
+        s = s.clamp(min=1e-4)  # the reference's floor: a dead channel is not blown up
         s = s / (s.max() * s.min()).sqrt()  # centre the range around 1 (a common factor changes nothing else)
         err = output_error(W, fake_quantize(W * s, spec) / s, H)
         if err < best_err:
@@ -137,12 +152,18 @@ def apply_scales(block: nn.Module, scales: dict[str, torch.Tensor]) -> None:
 
 @dataclass(frozen=True)
 class AWQ(Int4Options):
-    """AWQ onto the W4A16 kernel."""
+    """AWQ onto the W4A16 kernel. Measured on Qwen2.5-Coder-0.5B (32 x 512 calibration windows, 8192 evaluation
+    tokens; bf16 perplexity 55.25, RTN W4 g128 58.33 with KL 0.124 to bf16): the activation-only search keeps
+    alpha <= 0.25 everywhere (RTN in 35 of 72 projections) and gives 62.42 (KL 0.117) with clipping, 59.00
+    (KL 0.125) without; duo_scaling picks 0.15-0.3 in most projections: 61.27, KL 0.113, top-1 79.5% against
+    RTN's 78.1%; scoring qkv and gate_up on the attention and MLP outputs, as the reference does, instead of on
+    their own outputs: 62.27, KL 0.116. AWQ brings the model closer to bf16 there but not its perplexity."""
 
     name: ClassVar[str] = "awq"
     needs_data: ClassVar[bool] = True
     grid: int = 20  # alpha candidates i / grid, i < grid
     clip: bool = True
+    duo_scaling: bool = False  # scales from activations and weights (search_scale's duo)
 
     def __post_init__(self):
         super().__post_init__()
@@ -170,7 +191,7 @@ def awq(model, config: AWQ, progress=None, samples=None) -> dict[str, dict]:
         for short in scaled:
             linear, stats = linears[prefix + short]
             scales[short], _ = search_scale(linear.weight, Hs[prefix + short], stats.x_mean, specs[prefix + short],
-                                            config.grid)
+                                            config.grid, config.duo_scaling)
         apply_scales(block, scales)
         for short, s in scales.items():
             s = s.to(Hs[prefix + short].device)

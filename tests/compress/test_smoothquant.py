@@ -10,7 +10,8 @@ from torch import nn
 from leanlm.compress.quant import format as qformat
 from leanlm.compress.quant.linear import W8A8Linear
 from leanlm.compress.quant.primitives import sqnr_db
-from leanlm.compress.quant.smoothquant import ALPHAS, SmoothQuant, fold, search_alpha, smooth, smoothing_scale
+from leanlm.compress.quant.smoothquant import (ALPHAS, SmoothQuant, SmoothStats, fold, search_alpha, smooth,
+                                              smoothing_scale)
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.errors import LeanLMError
 from leanlm.models.loading import load_model
@@ -75,6 +76,20 @@ def test_smoothing_beats_plain_w8a8_on_outlier_channels():
         lin.weight.copy_(w_s)
     smoothed = W8A8Linear.from_float(lin)(x * inv)
     assert sqnr_db(expected, smoothed) > sqnr_db(expected, plain) + 6
+
+
+def test_stats_keep_a_random_share_of_the_rows():
+    x = torch.arange(4 * 64 * 8, dtype=torch.float32).reshape(4, 64, 8)  # 4 windows of 64 positions, distinct rows
+    stats = SmoothStats(8, keep_every=16)
+    for batch in x.split(2):
+        stats.add_batch(batch)
+    kept = torch.cat(stats.kept)
+    assert kept.shape == (16, 8)
+    rows = {tuple(r) for r in x.reshape(-1, 8).tolist()}
+    assert all(tuple(r) in rows for r in kept.tolist()) and len({tuple(r) for r in kept.tolist()}) == 16
+    positions = (kept[:, 0] / 8).long() % 64
+    assert len(set(positions.tolist())) > 4  # not one stride-aligned set of positions in every window
+    torch.testing.assert_close(stats.value, x.reshape(-1, 8).abs().amax(0))
 
 
 def test_searched_alpha_has_the_least_w8a8_error_of_its_candidates():

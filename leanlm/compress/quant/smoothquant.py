@@ -152,8 +152,8 @@ class SmoothQuant:
       alpha 0.5 / 0.6 / 0.7 / 0.8 with smooth_down 29.02 / 29.06 / 28.73 / 29.04 (8192: 29.59 / 29.31 / 29.19 /
       29.51), without 29.58 / 29.27 / 29.19 / 29.15 (8192 at 0.7: 29.61).
     - Qwen2.5-Coder-0.5B, 32 x 512, 8192 tokens: bf16 55.253, plain W8A8 55.901 (0.0110), alpha 0.7 55.851
-      (0.0075), 0.5 55.113 (0.0071), searched 55.326 (0.0071; quantizing took 495 s beside another job), searched on every
-      16th row (every window's first position among them) with 0.05 steps 55.711 (0.0071)."""
+      (0.0075), 0.5 55.113 (0.0071), searched 55.326 (0.0071; quantizing took 495 s beside another job),
+      searched on every 16th row (every window's first position among them) in 0.05 steps 55.711 (0.0071)."""
 
     name: ClassVar[str] = "smoothquant"
     needs_data: ClassVar[bool] = True

@@ -142,8 +142,9 @@ def _outlier_model(path):
     return model
 
 
-# Relative logit errors measured over 4 seeds: AWQ / RTN = 0.58, 0.65, 0.72, 0.61; without clipping 0.82, 0.93,
-# 0.74, 0.74. Without the outliers (random weights, even channels) AWQ and RTN are within +-15% of each other.
+# Relative logit errors measured over 4 seeds: AWQ / RTN = 0.67, 0.72, 0.74, 0.67; without clipping 0.83, 1.07,
+# 0.80, 0.77 (activation-only scales, duo_scaling=False: 0.58, 0.65, 0.72, 0.61; 0.82, 0.94, 0.77, 0.73). Without
+# the outliers (random weights, even channels) activation-only AWQ and RTN were within +-15% of each other.
 def test_awq_method_beats_rtn_on_a_tiny_model_with_salient_channels(tmp_path):
     make_hf_model("llama", tmp_path, intermediate_size=128)
     samples = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
@@ -168,7 +169,7 @@ def test_one_alpha_without_clipping_is_rtn(tmp_path):
     make_hf_model("llama", tmp_path)
     samples = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     awq, rtn = load_model(tmp_path, torch.bfloat16), load_model(tmp_path, torch.bfloat16)
-    apply(awq, AWQ(group_size=32, grid=1, clip=False), samples=samples)
+    apply(awq, AWQ(group_size=32, grid=1, clip=False, duo_scaling=False), samples=samples)
     apply(rtn, RTN(4, 32))
     a, r = awq.state_dict(), rtn.state_dict()
     assert a.keys() == r.keys() and all(torch.equal(a[k], r[k]) for k in a)

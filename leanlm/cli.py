@@ -322,6 +322,30 @@ def quantize(
 
 
 @app.command()
+def export(
+    model: Annotated[Path, typer.Argument(help="a directory written by `leanlm quantize`")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
+) -> None:
+    """Write a quantized MODEL in the compressed-tensors layout that vLLM and transformers load (w4a16, w8a16,
+    w8a8 and fp8 layers; the integer codes are kept as they are)."""
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.quant.export import export as write
+    from leanlm.fetch import atomic_dir
+    from leanlm.models.loading import load_model
+
+    if not qformat.is_quantized(model):
+        _fail(f"{model} is not a directory written by `leanlm quantize`")
+    if output.exists():
+        _fail(f"{output} already exists; choose a new output directory")
+    record = json.loads((model / qformat.RECORD).read_text())
+    net = load_model(model, record["dtype"])  # the 16-bit parts as they were saved
+    with atomic_dir(output) as tmp:
+        qconfig = write(net, model, tmp)
+    groups = ", ".join(f"{len(g['targets'])} {g['format']}" for g in qconfig["config_groups"].values())
+    out.print(f"{model} -> {output} (compressed-tensors: {groups} layers)")
+
+
+@app.command()
 def compare(
     base: Model,
     others: Annotated[list[str], typer.Argument(help="compressed variants of BASE (quantized directories, ...)")],

@@ -68,10 +68,18 @@ def hf_to_leanlm(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
 
 def leanlm_to_hf(model: Transformer) -> dict[str, torch.Tensor]:
     """Our state dict in HF names (q/k/v and gate/up split again), e.g. for saving or for transformers."""
-    cfg = model.config
+    sd = model.state_dict()
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    return to_hf_names(sd, model.config)
+
+
+def to_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Tensors under our names to HF names; a fused projection's tensors (any whose rows are its output
+    features) split by rows into q/k/v or gate/up."""
     out = {}
-    for name, t in model.state_dict().items():
-        if name.startswith("rope_") or (cfg.tie_embeddings and name == "lm_head.weight"):
+    for name, t in sd.items():
+        if name.startswith("rope_"):
             continue
         if ".qkv_proj." in name:
             for n, part in zip("qkv", t.split([cfg.q_size, cfg.kv_size, cfg.kv_size])):

@@ -24,7 +24,7 @@ def _load_with_transformers(path):
     5.23 with compressed-tensors 0.20; the decompressing path reads both right.)"""
     import transformers
 
-    config = transformers.CompressedTensorsConfig(run_compressed=False)
+    config = transformers.CompressedTensorsConfig(dequantize=True)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config)
 
 

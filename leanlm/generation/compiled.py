@@ -13,6 +13,7 @@ import types
 import torch
 
 from leanlm.cache.static import StaticCache
+from leanlm.compress.quant.kv import dequantize_per_token, quantize_per_token
 from leanlm.models.transformer import Transformer
 
 
@@ -28,15 +29,25 @@ INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "realize_opcount_threshold": 8,
 
 
 class _SlotCache:
-    """KVCache for one static-shape step: writes at a tensor slot, attends over every slot (masked)."""
+    """KVCache for one static-shape step: writes at a tensor slot, attends over every slot (masked). With scales
+    (an Int8KVCache's), k and v are stored as int8 codes with a scale per (token, head) and read dequantized."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], slot: torch.Tensor, mask: torch.Tensor):
-        self.k, self.v, self.slot, self.mask = k, v, slot, mask
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], slot: torch.Tensor, mask: torch.Tensor,
+                 k_scale: list[torch.Tensor] | None = None, v_scale: list[torch.Tensor] | None = None):
+        self.k, self.v, self.slot, self.mask, self.k_scale, self.v_scale = k, v, slot, mask, k_scale, v_scale
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        self.k[layer].index_copy_(2, self.slot, k)
-        self.v[layer].index_copy_(2, self.slot, v)
-        return self.k[layer], self.v[layer]
+        if self.k_scale is None:
+            self.k[layer].index_copy_(2, self.slot, k)
+            self.v[layer].index_copy_(2, self.slot, v)
+            return self.k[layer], self.v[layer]
+        out = []
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, scale = quantize_per_token(x)
+            codes[layer].index_copy_(2, self.slot, q)
+            scales[layer].index_copy_(2, self.slot, scale)
+            out.append(dequantize_per_token(codes[layer], scales[layer], x.dtype))
+        return tuple(out)
 
     def attention_mask(self, T: int):
         return self.mask, False
@@ -45,11 +56,12 @@ class _SlotCache:
         pass
 
 
-def _step(model: Transformer, tokens, positions, k, v, slot, pad):
+def _step(model: Transformer, tokens, positions, k, v, slot, pad, k_scale, v_scale):
     """tokens, positions [B, 1]; slot [1]; pad [B] -> logits [B, V]"""
     key = torch.arange(k[0].shape[2], device=tokens.device)
     mask = (key[None] <= slot) & (key[None] >= pad[:, None])  # [B, S]
-    return model(tokens, positions, _SlotCache(k, v, slot, mask[:, None, None, :]), last_only=True)[:, -1]
+    cache = _SlotCache(k, v, slot, mask[:, None, None, :], k_scale, v_scale)
+    return model(tokens, positions, cache, last_only=True)[:, -1]
 
 
 class CompiledDecoder:
@@ -73,6 +85,7 @@ class CompiledDecoder:
         B, dev = tokens.shape[0], tokens.device
         pad = cache.pad if cache.pad is not None else torch.zeros(B, dtype=torch.long, device=dev)
         slot = torch.tensor([cache.length], device=dev)
-        logits = self.fn(self.model, tokens[:, None], (slot - pad)[:, None], cache.k, cache.v, slot, pad)
+        scales = getattr(cache, "k_scale", None), getattr(cache, "v_scale", None)  # an Int8KVCache's
+        logits = self.fn(self.model, tokens[:, None], (slot - pad)[:, None], cache.k, cache.v, slot, pad, *scales)
         cache.advance(1)
         return logits

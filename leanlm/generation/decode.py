@@ -65,8 +65,6 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
 
     `compiled`: a generation.compiled.CompiledDecoder to run the decode steps with (default: eager).
     """
-    if compiled is not None and cache_cls is not StaticCache:
-        raise LeanLMError("the compiled decode step works on the plain KV cache; use --eager with a quantized KV cache")
     step = compiled.decode_step if compiled is not None else partial(decode_step, model)
     max_new = check_fits(model, max(len(p) for p in prompts), params.max_tokens)
     generator = None

@@ -18,7 +18,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize(x, scale, zero, PER_TOKEN_INT8), scale
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_per_token(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q int8 [..., D] * scale [..., 1] -> [..., D] in dtype (symmetric: no zero point)."""
     return (q.float() * scale).to(dtype)
 
@@ -49,8 +49,8 @@ class Int8KVCache(StaticCache):
         qk_all, qv_all = super().update(layer, qk, qv)  # bounds check and slot write on the int8 storage
         self.k_scale[layer][:, :, self.length : end] = sk
         self.v_scale[layer][:, :, self.length : end] = sv
-        return (_dequantize(qk_all, self.k_scale[layer][:, :, :end], self.dtype),
-                _dequantize(qv_all, self.v_scale[layer][:, :, :end], self.dtype))
+        return (dequantize_per_token(qk_all, self.k_scale[layer][:, :, :end], self.dtype),
+                dequantize_per_token(qv_all, self.v_scale[layer][:, :, :end], self.dtype))
 
     @property
     def nbytes(self) -> int:

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from leanlm.compress.quant.format import COPIED
-from leanlm.compress.quant.linear import FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, _QuantLinearBase, unpack_int4
+from leanlm.compress.quant.linear import SCHEMES, FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, unpack_int4
 from leanlm.errors import LeanLMError
 from leanlm.models.loading import to_hf_names
 
@@ -55,7 +55,7 @@ def _int4_zero_points(m: W4A16Linear) -> torch.Tensor:
     return zi.to(torch.int64)
 
 
-def _tensors(m: _QuantLinearBase) -> dict[str, torch.Tensor]:
+def _tensors(m: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Row-major tensors of one layer ([N, ...], so fused projections split by rows), codes still unpacked."""
     if isinstance(m, W4A16Linear):
         return {"weight_codes": unpack_int4(m.weight_packed), "weight_scale": m.scales.t().contiguous(),
@@ -65,7 +65,7 @@ def _tensors(m: _QuantLinearBase) -> dict[str, torch.Tensor]:
     return {"weight": m.weight, "weight_scale": m.scales.float()[:, None]}  # w8a8, fp8
 
 
-def _scheme(m: _QuantLinearBase) -> dict:
+def _scheme(m: torch.nn.Module) -> dict:
     """The config group body (weights, input_activations, format) of a layer."""
     weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
                "dynamic": False, "actorder": None, "observer": "minmax"}
@@ -96,7 +96,7 @@ def _pack(name: str, tensors: dict[str, torch.Tensor], bits: int) -> dict[str, t
 def export(model, source: Path, out: Path) -> dict:
     """Write `model` (a quantized Transformer) to `out` in the compressed-tensors layout, with the config and
     tokenizer files of `source`; return the quantization_config written."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, _QuantLinearBase)}
+    layers = {name: m for name, m in model.named_modules() if type(m) in SCHEMES.values()}
     if not layers:
         raise LeanLMError("the model has no quantized layers to export")
     odd = sorted({type(m).__name__ for m in layers.values() if type(m) not in FORMATS})

@@ -161,9 +161,9 @@ class AWQ(Int4Options):
     Where it loses (first 4096 tokens; AWQ 59.14, RTN 56.03): with RTN's MLPs in the AWQ model 56.77, with RTN's
     attention 58.58; with the same scales, MLPs clipped nowhere 57.31, only down_proj 57.30, only gate_up 59.19,
     although clipping lowers the MLP output error on calibration rows in 23 of 24 blocks (mean 0.83 of RTN's
-    with both clipped, 1.01 with neither). On 8192 tokens the loss sits in the tokens bf16 finds unlikely (its NLL > 3, half of them):
-    +0.110 nats each over bf16 against RTN's +0.018 (the rest: +0.096 and +0.096), and is not a temperature
-    shift: at each model's best temperature (1.1) RTN scores 56.40, AWQ 58.05.
+    with both clipped, 1.01 with neither). On 8192 tokens the loss sits in the tokens bf16 finds unlikely (its
+    NLL > 3, half of them): +0.110 nats each over bf16 against RTN's +0.018 (the rest: +0.096 and +0.096), and
+    is not a temperature shift: at each model's best temperature (1.1) RTN scores 56.40, AWQ 58.05.
     SmolLM2-135M (64 x 512, 16384 tokens; bf16 27.27, RTN 34.26): duo_scaling 30.67, activation-only 30.99
     (at 4d9a571). duo_scaling is the default because it did better on both."""
 

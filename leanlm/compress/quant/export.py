@@ -17,13 +17,12 @@ LLM.int8()'s 16-bit outlier columns have no compressed-tensors scheme: such a mo
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from leanlm.compress.quant.format import COPIED
+from leanlm.compress.quant.format import copy_model_files
 from leanlm.compress.quant.linear import SCHEMES, FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, unpack_int4
 from leanlm.errors import LeanLMError
 from leanlm.models.loading import to_hf_names
@@ -134,8 +133,6 @@ def export(model, source: Path, out: Path) -> dict:
     if "lm_head" in layers:  # its own quantized weights: transformers must not tie it to the embedding
         config["tie_word_embeddings"] = False
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in COPIED:
-        if name != "config.json" and (Path(source) / name).exists():
-            shutil.copy(Path(source) / name, out / name)
+    copy_model_files(source, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))  # over the copy: with quantization_config
     return qconfig

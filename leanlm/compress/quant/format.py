@@ -23,6 +23,13 @@ def is_quantized(path: Path) -> bool:
     return (Path(path) / RECORD).exists()
 
 
+def copy_model_files(source: Path, out: Path) -> None:
+    """The source model's config and tokenizer files (those of COPIED it has) into `out`."""
+    for name in COPIED:
+        if (Path(source) / name).exists():
+            shutil.copy(Path(source) / name, out / name)
+
+
 def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> None:
     """Write weights, the per-layer record, the method configs (one, or a recipe's list) and the source's
     config and tokenizer files into `out`."""
@@ -30,9 +37,7 @@ def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> N
     if model.lm_head_is_embedding:
         sd.pop("lm_head.weight")  # tied: the same storage as the embedding
     save_file(sd, str(out / "model.safetensors"))
-    for name in COPIED:
-        if (Path(source) / name).exists():
-            shutil.copy(Path(source) / name, out / name)
+    copy_model_files(source, out)
     configs = configs if isinstance(configs, (list, tuple)) else [configs]
     record = {"format": "leanlm", "version": VERSION, "recipe": [{"method": c.name, **asdict(c)} for c in configs],
               "dtype": str(model.dtype).removeprefix("torch."), "layers": records}

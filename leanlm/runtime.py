@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
@@ -80,3 +81,40 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that wall-clock timings are real (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def weights_on_huge_pages(model: torch.nn.Module) -> bool:
+    """Move a CPU model's parameters and buffers into one buffer backed by 2 MiB pages (Linux transparent huge
+    pages); True if it did. Decode reads every weight once per token: with 4 KiB pages that is a TLB miss every
+    4 KiB. On the default model the W4A16 decode step took 8-11% less time this way, W8A16 7%, bf16 1.5% (one
+    process, interleaved). Most weights are below the 2 MiB that torch's allocator needs before it asks for huge
+    pages itself. Where the OS has no madvise(MADV_HUGEPAGE), the model is left as it is."""
+    owners: dict[int, tuple[torch.Tensor, list]] = {}  # id -> (tensor, [(dict, name)]): a tied weight moves once
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is not None and t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0:
+                    owners.setdefault(id(t), (t, []))[1].append((store, name))
+    if not owners or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    align = 64  # each tensor starts on a cache line, as torch's own allocations do
+    total = sum((t.nbytes + align - 1) // align * align for t, _ in owners.values())
+    buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP off or not supported by this kernel
+        return False
+    arena = torch.frombuffer(buf, dtype=torch.uint8)  # holds a reference to buf: the memory lives with the tensors
+    at = -arena.data_ptr() % HUGE_PAGE
+    for key in list(owners):  # one at a time, so that each old tensor is freed as soon as it is copied
+        t, places = owners.pop(key)
+        moved = arena[at:at + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        if isinstance(t, torch.nn.Parameter):
+            moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+        for store, name in places:
+            store[name] = moved
+        at += (t.nbytes + align - 1) // align * align
+    return True

@@ -11,6 +11,7 @@ from leanlm.errors import LeanLMError
 from leanlm.models.config import ModelConfig
 from leanlm.models.layers import rope_table
 from leanlm.models.transformer import Transformer
+from leanlm.runtime import weights_on_huge_pages
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -110,10 +111,14 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.bfloat16, device: st
     sd = {k: v.to(device, copy=True) if any(k.startswith(q) for q in quantized) else v.to(device=device, dtype=dtype)
           for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    del sd  # the model holds the tensors now; moving them to huge pages below frees each old one as it goes
     missing = [m for m in missing if not m.startswith("rope_") and not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise LeanLMError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     if cfg.tie_embeddings and "lm_head." not in quantized:  # a quantized lm_head has its own weights
         model.lm_head.weight = model.embed_tokens.weight
     model.rope_cos, model.rope_sin = rope_table(cfg, device=device)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        weights_on_huge_pages(model)
+    return model

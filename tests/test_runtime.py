@@ -1,0 +1,39 @@
+import mmap
+
+import pytest
+import torch
+
+from leanlm.models.loading import load_model
+from leanlm.runtime import HUGE_PAGE, weights_on_huge_pages
+
+needs_thp = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
+
+
+def _tensors(model):
+    return list(model.parameters()) + list(model.buffers())
+
+
+@needs_thp
+def test_loaded_weights_share_one_huge_page_aligned_buffer(tiny_dir):
+    model = load_model(tiny_dir, torch.bfloat16)
+    tensors = _tensors(model)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert min(t.data_ptr() for t in tensors) % HUGE_PAGE == 0
+    assert all(t.data_ptr() % 64 == 0 for t in tensors)
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied weights stay one tensor
+    assert all(isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in model.parameters())
+
+
+@needs_thp
+def test_moving_weights_keeps_every_value_and_the_outputs(tiny_dir):
+    model = load_model(tiny_dir, torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = torch.tensor([[1, 5, 9, 3]])
+    positions = torch.arange(4)[None]
+    with torch.inference_mode():
+        logits = model(tokens, positions, None)
+    assert weights_on_huge_pages(model)  # again: a second move is a plain copy
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with torch.inference_mode():
+        assert torch.equal(model(tokens, positions, None), logits)

@@ -45,33 +45,50 @@ using bf16 = c10::BFloat16;
 constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weights (their accumulators stay in registers)
 
 // The rows of x as float32 (any float dtype, any strides), and for the vector loops also as int16 with a scale
-// per row, zero-padded to Kp (a multiple of 32). Plain loops: a tensor op costs microseconds, ~120 per step.
+// per row, zero-padded to Kp (a multiple of 32). Plain loops: a tensor op costs microseconds, ~120 per step. The
+// buffers are kept per thread and reused, as a decode step makes ~120 products and their malloc/free showed.
 struct Rows {
   int64_t M, K, Kp;
-  std::vector<float> f;     // [M, K]
-  std::vector<int16_t> q;   // [M, Kp]
-  std::vector<float> scale; // [M]: x ~ q * scale
+  const float* f;                // [M, K]
+  const int16_t* q = nullptr;    // [M, Kp]
+  const float* scale = nullptr;  // [M]: x ~ q * scale
 
-  explicit Rows(const at::Tensor& x) : M(x.size(0)), K(x.size(1)), Kp((K + 31) / 32 * 32), f(M * K) {
+  explicit Rows(const at::Tensor& x) : M(x.size(0)), K(x.size(1)), Kp((K + 31) / 32 * 32) {
+    thread_local std::vector<float> fbuf, sbuf;
+    thread_local std::vector<int16_t> qbuf;
+    fbuf.resize(M * K);
+    float* fp = fbuf.data();
+    f = fp;
     const int64_t sm = x.stride(0), sk = x.stride(1);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows", [&] {
       const scalar_t* p = x.data_ptr<scalar_t>();
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) f[m * K + k] = float(p[m * sm + k * sk]);
+        for (int64_t k = 0; k < K; ++k) fp[m * K + k] = float(p[m * sm + k * sk]);
     });
 #ifdef LEANLM_AVX512
-    q.assign(M * Kp, 0);
-    scale.resize(M);
+    qbuf.assign(M * Kp, 0);
+    sbuf.resize(M);
+    q = qbuf.data();
+    scale = sbuf.data();
     for (int64_t m = 0; m < M; ++m) {
-      const float* fm = f.data() + m * K;
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(fm[k]));
-      scale[m] = amax / 32767.f;
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      for (int64_t k = 0; k < K; ++k) q[m * Kp + k] = int16_t(std::nearbyint(fm[k] * inv));
+      const float* fm = fp + m * K;
+      __m512 amax16 = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16)
+        amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(K - k), fm + k)));
+      const float amax = _mm512_reduce_max_ps(amax16);
+      sbuf[m] = amax / 32767.f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+      for (int64_t k = 0; k < K; k += 16) {  // round to nearest even, as std::nearbyint; |value| <= 32767
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail(K - k), fm + k), inv));
+        _mm256_mask_storeu_epi16(qbuf.data() + m * Kp + k, tail(K - k), _mm512_cvtsepi32_epi16(v));
+      }
     }
 #endif
   }
+
+#ifdef LEANLM_AVX512
+  static __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : (1u << left) - 1; }
+#endif
 };
 
 at::Tensor check(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, at::ScalarType wtype,
@@ -197,7 +214,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 #ifdef LEANLM_AVX512
     for (int64_t t = n0; t < n1; t += 64)  // 64 weight rows stay in cache while each block of x rows uses them
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-        kInt8[std::min(kMaxRows, M - m0)](r.q.data() + m0 * r.Kp, r.scale.data() + m0, K, r.Kp, wp, sp,
+        kInt8[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp, sp,
                                           yp + m0 * N, N, t, std::min(t + 64, n1));
 #else
     for (int64_t n = n0; n < n1; ++n)
@@ -224,7 +241,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const Rows r(x);
 #ifdef LEANLM_AVX512
   const int64_t G = K / g;
-  std::vector<float> xsum(M * G, 0.f);  // for the zero points: sum_k x (z - 8 s) over each group
+  thread_local std::vector<float> xsum;  // for the zero points: sum_k x (z - 8 s) over each group
+  xsum.assign(M * G, 0.f);
+  const float* xs = xsum.data();  // the lambda below runs on other threads too: they must not read their own xsum
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < G; ++j)
       for (int64_t k = j * g; k < (j + 1) * g; ++k) xsum[m * G + j] += r.f[m * K + k];
@@ -236,7 +255,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 #ifdef LEANLM_AVX512
     for (int64_t t = t0; t < t1; t += 4)
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-        kInt4[std::min(kMaxRows, M - m0)](r.q.data() + m0 * r.Kp, r.scale.data() + m0, xsum.data() + m0 * G, K,
+        kInt4[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, xs + m0 * G, K,
                                           r.Kp, wp, sp, zp, g, yp + m0 * N, N, t, std::min(t + 4, t1));
 #else
     for (int64_t n = t0 * 16; n < t1 * 16; ++n)

@@ -98,7 +98,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(-1)
     if torch.compiler.is_compiling():
-        out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2).to(v.dtype)  # [B, Hkv, G, D]
+        out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2).to(q.dtype)  # [B, Hkv, G, D]
     else:
         out = torch.matmul(probs.to(v.dtype), v)
     return out.reshape(B, H, 1, D)

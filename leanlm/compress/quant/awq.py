@@ -58,7 +58,7 @@ def weight_salience(W: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """Per input channel, the mean over rows of |w| relative to the largest |w| of its group (AutoAWQ's
     duo_scaling weight term).  W [N, K] -> [K] float32"""
     N, K = W.shape
-    g = spec.group_size if spec.granularity == "group" else K
+    g = spec.row_block(K)
     Wg = W.detach().float().abs().reshape(N, K // g, g)
     return (Wg / Wg.amax(-1, keepdim=True).clamp(min=1e-6)).reshape(N, K).mean(0)
 
@@ -97,7 +97,7 @@ def search_clip(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, grid: int = C
                           "is neither")
     spec.check(W)
     N, K = W.shape
-    g = spec.group_size if spec.granularity == "group" else K
+    g = spec.row_block(K)
     G = K // g
     Wg = W.float().reshape(N, G, g)
     Hb = H.float().to(W.device).reshape(G, g, G, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [G, g, g]

@@ -54,6 +54,10 @@ class QuantSpec:
     def storage_dtype(self) -> torch.dtype:
         return torch.int8 if self.symmetric else torch.uint8
 
+    def row_block(self, K: int) -> int:
+        """Entries along K that share a scale in one row of a weight [N, K]: the group, or the whole row."""
+        return self.group_size if self.granularity == "group" else K
+
     def check(self, x: torch.Tensor) -> None:
         """Raise LeanLMError when `x` [..., K] cannot be quantized with this spec."""
         if x.dim() == 0:

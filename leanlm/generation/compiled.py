@@ -13,7 +13,7 @@ import types
 import torch
 
 from leanlm.cache.static import StaticCache
-from leanlm.compress.quant.kv import quantize_per_token
+from leanlm.compress.quant.kv import dequantize_per_token, quantize_per_token
 from leanlm.models.transformer import Transformer
 
 
@@ -49,7 +49,7 @@ class _SlotCache:
             # float32, not rounded back to x.dtype: with two more conversions the chain feeding attention's
             # reductions passes realize_opcount_threshold, and inductor stored its [B, Hkv, G, S, D] products
             # (two 9 MB buffers per layer at 4096 slots: 8x slower than the bf16 cache)
-            out.append(codes[layer].float() * scales[layer])
+            out.append(dequantize_per_token(codes[layer], scales[layer], torch.float32))
         return tuple(out)
 
     def attention_mask(self, T: int):

@@ -100,8 +100,11 @@ def weights_on_huge_pages(model: torch.nn.Module) -> bool:
                     owners.setdefault(id(t), (t, []))[1].append((store, name))
     if not owners or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
-    align = 64  # each tensor starts on a cache line, as torch's own allocations do
-    total = sum((t.nbytes + align - 1) // align * align for t, _ in owners.values())
+
+    def padded(nbytes: int) -> int:  # each tensor starts on a cache line, as torch's own allocations do
+        return (nbytes + 63) // 64 * 64
+
+    total = sum(padded(t.nbytes) for t, _ in owners.values())
     buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
@@ -116,5 +119,5 @@ def weights_on_huge_pages(model: torch.nn.Module) -> bool:
             moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
         for store, name in places:
             store[name] = moved
-        at += (t.nbytes + align - 1) // align * align
+        at += padded(t.nbytes)
     return True

@@ -59,8 +59,9 @@ class _SlotCache:
         pass
 
 
-def _step(model: Transformer, tokens, positions, k, v, slot, pad, k_scale, v_scale):
-    """tokens, positions [B, 1]; slot [1]; pad [B] -> logits [B, V]"""
+def _step(model: Transformer, tokens, k, v, slot, pad, k_scale, v_scale):
+    """tokens [B]; slot [1]; pad [B] -> logits [B, V]"""
+    tokens, positions = tokens[:, None], (slot - pad)[:, None]
     key = torch.arange(k[0].shape[2], device=tokens.device)
     mask = (key[None] <= slot) & (key[None] >= pad[:, None])  # [B, S]
     cache = _SlotCache(k, v, slot, mask[:, None, None, :], k_scale, v_scale)
@@ -68,20 +69,31 @@ def _step(model: Transformer, tokens, positions, k, v, slot, pad, k_scale, v_sca
 
 
 class CompiledDecoder:
-    """decode_step() with the same contract as generation.decode.decode_step, run by a compiled graph."""
+    """decode_step() with the same contract as generation.decode.decode_step, run by a compiled graph.
+
+    Each new shape (batch, cache length, cache kind) is compiled once through torch.compile; later steps call
+    the compiled graph directly, with its inputs in the order the compiler recorded. Dynamo's per-call work
+    (its frame hook and guards on ~500 inputs) cost ~0.6 ms per token on the default model, a tenth of a
+    W4A16 step; the model is fixed, so nothing those guards check can change."""
 
     def __init__(self, model: Transformer):
         """`model` must not change (weights, dtype, modules) once its decoder is built."""
         self.model = model
-        # Dynamo checks guards on every module attribute and parameter before each step: ~1.3 ms per token on the
-        # default model, more than its attention. The model is fixed, so those guards are dropped (0.2 ms left).
-        # Dynamo keeps its graphs per code object; a copy of _step's code for each decoder keeps two models in
-        # one process (equal shapes, no module guards left to tell them apart) from running each other's graph.
-        step = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
+        self._plans: dict[tuple, _Plan | None] = {}
+        self._captured: tuple | None = None
         options = dict(INDUCTOR_OPTIONS[model.device.type])
-        if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):  # not in older torch
-            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        self.fn = torch.compile(step, fullgraph=True, dynamic=False, options=options)
+
+        def backend(gm, example_inputs):
+            from torch._inductor import compile as inductor_compile
+
+            fn = inductor_compile(gm, example_inputs, options)
+            self._captured = fn, list(example_inputs)
+            return fn
+
+        # Dynamo keeps its graphs per code object; a copy of _step's code for each decoder makes each decoder
+        # compile (and capture) its own graph, so two models of equal shapes never run each other's.
+        step = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
+        self.fn = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
 
     @torch.inference_mode()
     def decode_step(self, cache: StaticCache, tokens: torch.Tensor) -> torch.Tensor:
@@ -89,6 +101,50 @@ class CompiledDecoder:
         pad = cache.pad if cache.pad is not None else torch.zeros(B, dtype=torch.long, device=dev)
         slot = torch.tensor([cache.length], device=dev)
         scales = getattr(cache, "k_scale", None), getattr(cache, "v_scale", None)  # an Int8KVCache's
-        logits = self.fn(self.model, tokens[:, None], (slot - pad)[:, None], cache.k, cache.v, slot, pad, *scales)
+        inputs = dict(tokens=tokens, slot=slot, pad=pad, k=cache.k, v=cache.v, k_scale=scales[0], v_scale=scales[1])
+        key = (tuple(cache.k[0].shape), cache.k[0].dtype, scales[0] is not None)
+        if key in self._plans:
+            plan = self._plans[key]
+            logits = plan.run(inputs) if plan is not None else self._dynamo(inputs)
+        else:
+            self._captured = None
+            logits = self._dynamo(inputs)
+            captured, self._captured = self._captured, None  # the graph's example inputs hold this cache
+            self._plans[key] = _Plan.make(*captured, inputs, self.model) if captured is not None else None
         cache.advance(1)
+        return logits
+
+    def _dynamo(self, inputs: dict) -> torch.Tensor:
+        i = inputs
+        return self.fn(self.model, i["tokens"], i["k"], i["v"], i["slot"], i["pad"], i["k_scale"], i["v_scale"])
+
+
+class _Plan:
+    """A compiled graph and where each of its inputs comes from: a fixed tensor of the model, or one of the
+    step's inputs (a tensor, or element j of a list such as the cache's k)."""
+
+    def __init__(self, fn, template: list, slots: list[tuple[int, str, int | None]]):
+        self.fn, self.template, self.slots = fn, template, slots
+
+    @staticmethod
+    def make(fn, example_inputs: list, inputs: dict, model: torch.nn.Module) -> _Plan | None:
+        """None where an input is neither a step input nor a parameter or buffer of the model (Dynamo stays)."""
+        where = {}
+        for name, value in inputs.items():
+            if isinstance(value, torch.Tensor):
+                where[id(value)] = name, None
+            elif value is not None:
+                where.update((id(t), (name, j)) for j, t in enumerate(value))
+        fixed = {id(t) for t in (*model.parameters(), *model.buffers())}
+        if not all(id(x) in where or id(x) in fixed for x in example_inputs):
+            return None
+        slots = [(n, *where[id(x)]) for n, x in enumerate(example_inputs) if id(x) in where]
+        template = [None if id(x) in where else x for x in example_inputs]  # the model's tensors stay
+        return _Plan(fn, template, slots)
+
+    def run(self, inputs: dict) -> torch.Tensor:
+        args = self.template.copy()
+        for n, name, j in self.slots:
+            args[n] = inputs[name] if j is None else inputs[name][j]
+        (logits,) = self.fn(*args)
         return logits

@@ -48,3 +48,28 @@ def test_two_decoders_keep_their_own_graphs(tmp_path):
         tok = logits.argmax(-1)
         assert torch.allclose(compiled.decode_step(cache_c, tok).float(), decode_step(model, cache_e, tok).float(),
                               atol=2e-2)
+
+
+def test_later_steps_skip_dynamo_and_read_the_callers_cache(tmp_path):
+    """After a shape's first step the compiled graph is called directly (Dynamo is not entered again), and each
+    step reads and writes the cache it is given: two caches of one shape, stepped in turn, match eager."""
+    make_hf_model("llama", tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    compiled = CompiledDecoder(model)
+    prompts = ([[5, 6, 7]], [[9, 10, 11]])
+    eager = [prefill(model, p, 8) for p in prompts]
+    caches = [prefill(model, p, 8)[1] for p in prompts]
+    toks = [logits.argmax(-1) for logits, _ in eager]
+    compiled.decode_step(caches[0], toks[0])  # compiles and captures the graph for this shape
+    decode_step(model, eager[0][1], toks[0])
+
+    def no_dynamo(*args):
+        raise AssertionError("Dynamo entered after the first step")
+
+    compiled.fn = no_dynamo
+    for _ in range(3):
+        for i in (0, 1):
+            logits_e, logits_c = decode_step(model, eager[i][1], toks[i]), compiled.decode_step(caches[i], toks[i])
+            assert torch.allclose(logits_c, logits_e, atol=1e-4)
+            toks[i] = logits_e.argmax(-1)
+    assert all(c.length == e.length for c, (_, e) in zip(caches, eager))

@@ -102,7 +102,7 @@ class CompiledDecoder:
         slot = torch.tensor([cache.length], device=dev)
         scales = getattr(cache, "k_scale", None), getattr(cache, "v_scale", None)  # an Int8KVCache's
         inputs = dict(tokens=tokens, slot=slot, pad=pad, k=cache.k, v=cache.v, k_scale=scales[0], v_scale=scales[1])
-        key = (tuple(cache.k[0].shape), cache.k[0].dtype, scales[0] is not None)
+        key = (tuple(cache.k[0].shape), cache.k[0].dtype, scales[0] is not None, tokens.dtype)
         if key in self._plans:
             plan = self._plans[key]
             logits = plan.run(inputs) if plan is not None else self._dynamo(inputs)

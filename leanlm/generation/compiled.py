@@ -101,22 +101,19 @@ class CompiledDecoder:
         pad = cache.pad if cache.pad is not None else torch.zeros(B, dtype=torch.long, device=dev)
         slot = torch.tensor([cache.length], device=dev)
         scales = getattr(cache, "k_scale", None), getattr(cache, "v_scale", None)  # an Int8KVCache's
-        inputs = dict(tokens=tokens, slot=slot, pad=pad, k=cache.k, v=cache.v, k_scale=scales[0], v_scale=scales[1])
+        # _step's parameters by name: Dynamo takes them as keywords, a plan fills its input list from them
+        inputs = dict(tokens=tokens, k=cache.k, v=cache.v, slot=slot, pad=pad, k_scale=scales[0], v_scale=scales[1])
         key = (tuple(cache.k[0].shape), cache.k[0].dtype, scales[0] is not None, tokens.dtype)
         if key in self._plans:
             plan = self._plans[key]
-            logits = plan.run(inputs) if plan is not None else self._dynamo(inputs)
+            logits = plan.run(inputs) if plan is not None else self.fn(self.model, **inputs)
         else:
             self._captured = None
-            logits = self._dynamo(inputs)
+            logits = self.fn(self.model, **inputs)
             captured, self._captured = self._captured, None  # the graph's example inputs hold this cache
             self._plans[key] = _Plan.make(*captured, inputs, self.model) if captured is not None else None
         cache.advance(1)
         return logits
-
-    def _dynamo(self, inputs: dict) -> torch.Tensor:
-        i = inputs
-        return self.fn(self.model, i["tokens"], i["k"], i["v"], i["slot"], i["pad"], i["k_scale"], i["v_scale"])
 
 
 class _Plan:

@@ -1,4 +1,5 @@
-"""leanlm's C++ int8 and int4 kernels (AVX-512 and plain-loop builds) against float matmul with the same weights."""
+"""leanlm's C++ int8 and int4 kernels (the native build, the AVX2 loops and the plain loops) against float matmul
+with the same weights."""
 
 from __future__ import annotations
 
@@ -9,12 +10,33 @@ from leanlm import kernels
 from leanlm.compress.quant.linear import pack_int4
 
 
-@pytest.fixture(params=["native", "portable"])
+def _cpu_has(*flags: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return all(flag in have for flag in flags)
+
+
+@pytest.fixture(params=["native", "avx2", "portable"])
 def ops(request):
-    ops = kernels.build(portable=request.param == "portable")
+    if request.param == "avx2" and not _cpu_has("avx2", "fma"):
+        pytest.skip("this CPU has no AVX2 + FMA")
+    ops = kernels.build(request.param)
     if ops is None:
         pytest.skip("no C++ compiler: the kernel cannot be built here")
     return ops
+
+
+def test_each_build_runs_the_loops_it_names():
+    if kernels.ops() is None:
+        pytest.skip("no C++ compiler")
+    assert kernels.build("portable").isa() == "portable"
+    native = "avx512" if _cpu_has("avx512f", "avx512bw", "avx512_vnni") else "avx2" if _cpu_has("avx2", "fma") else "portable"
+    assert kernels.ops().isa() == native
+    if _cpu_has("avx2", "fma"):
+        assert kernels.build("avx2").isa() == "avx2"
 
 
 def _rel(y, ref):

@@ -1,19 +1,22 @@
 """leanlm's C++ CPU kernels (cpu.cpp): the weight-only int8 and int4 products of W8A16 and W4A16.
 
-Integer dot products (AVX-512 VNNI) on activations rounded to int16; on the default model's decode matrices
-they read weights ~2x faster than torch's `_weight_int8pack_mm` and up to 1.6x faster than
-`_weight_int4pack_mm_for_cpu` (`python benchmarks/kernels.py`). They are compiled for this machine
+Integer dot products (AVX-512 VNNI, or AVX2 where the CPU has no AVX-512) on activations rounded to int16; on the
+default model's decode matrices they read weights ~2x faster than torch's `_weight_int8pack_mm` and up to 1.6x
+faster than `_weight_int4pack_mm_for_cpu` (`python benchmarks/kernels.py`). They are compiled for this machine
 (-march=native) on first use, ~10 s, and cached by torch under ~/.cache/torch_extensions (or
 $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): callers then fall back to torch ops.
 
     ops = kernels.ops()
+    ops.isa()  # "avx512", "avx2" or "portable" (plain loops, slow): the instructions this build runs
     y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import shutil
 import sys
 import warnings
@@ -25,18 +28,21 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 MAX_ROWS = 16  # rows of x up to which W8A16 runs the kernel; beyond, one bf16 GEMM on the codes (compute-bound)
 
 
-_loaded: dict[bool, object] = {}  # portable -> op namespace or None (a plain dict: torch.compile traces ops())
+# isa -> the flags that select cpu.cpp's loops; -march=native picks the best the CPU has
+VARIANTS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-DLEANLM_PORTABLE"]}
+_loaded: dict[str, object] = {}  # variant -> op namespace or None (a plain dict: torch.compile traces ops())
 
 
-def build(portable: bool = False):
+def build(variant: str = "native"):
     """Compile and load cpu.cpp once per process; return its op namespace, or None if it cannot be built here.
-    portable: the plain-loop variant (namespace leanlm_portable), for tests of the non-AVX-512 path."""
-    if portable not in _loaded:
-        _loaded[portable] = _build(portable)
-    return _loaded[portable]
+    variant: "native" (the best loops for this CPU), or, for tests, "avx2" (the AVX2 loops even on an AVX-512
+    CPU; namespace leanlm_avx2) and "portable" (the plain loops; leanlm_portable)."""
+    if variant not in _loaded:
+        _loaded[variant] = _build(variant)
+    return _loaded[variant]
 
 
-def _build(portable: bool):
+def _build(variant: str):
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # torch runs `ninja`; the pip package's binary may be off PATH (a venv)
@@ -47,14 +53,17 @@ def _build(portable: bool):
         except ImportError:
             pass
 
-    name = "leanlm_portable" if portable else "leanlm"
-    flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}"] + (["-DLEANLM_PORTABLE"] if portable else [])
+    name = "leanlm" if variant == "native" else f"leanlm_{variant}"
+    flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}", *VARIANTS[variant]]
+    # torch reuses a cached build whose sources and flags match, and "-march=native" reads the same on every CPU:
+    # a build from an AVX-512 machine would crash (illegal instruction) on an AVX2 one sharing the cache
+    library = f"{name}_kernels_{_cpu_tag()}"
     try:
-        if not _built(name):
+        if not _built(library):
             print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr)
         with warnings.catch_warnings():  # cpp_extension's own deprecation notices are not the user's concern
             warnings.simplefilter("ignore", DeprecationWarning)
-            load(name=f"{name}_kernels", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            load(name=library, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  is_python_module=False)
     except Exception as e:  # no compiler, no headers: quantized layers fall back to torch ops (slower)
         warnings.warn(f"leanlm: CPU kernels not built ({type(e).__name__}: {str(e)[:200]}); "
@@ -67,15 +76,25 @@ def _build(portable: bool):
 
 def ops():
     """leanlm's kernel ops (torch.ops.leanlm), or None where they cannot be built."""
-    return build(False)
+    return build()
 
 
-def _built(name: str) -> bool:
+def _cpu_tag() -> str:
+    """A short hash of this CPU's feature flags (the machine name where /proc/cpuinfo has none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
+    except OSError:
+        flags = platform.machine()
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def _built(library: str) -> bool:
     """Whether torch's extension cache already holds a build (only to say that a first build takes a while)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory  # private: any failure just means "say it"
 
-        return any(Path(_get_build_directory(f"{name}_kernels", False)).glob("*.so"))
+        return any(Path(_get_build_directory(library, False)).glob("*.so"))
     except Exception:
         return False
 

@@ -13,9 +13,13 @@
 // the pair (q[k + 2], q[k + 3]), each against one broadcast pair of activations. The 16 lanes are 16 output rows,
 // so a tile needs no horizontal sum, and its group scales are one vector load.
 //
-// Built at first use by leanlm/kernels/__init__.py with -march=native. With AVX-512 (F, BW, VNNI) the loops are
-// intrinsics; otherwise plain loops in float. LEANLM_PORTABLE forces the plain loops (the tests build both and
-// check each against a float reference).
+// Without AVX-512 (Zen 3 and older, most laptops) AVX2 does the same with `vpmaddwd`, 16 int16 pairs into 8 int32
+// lanes: an int4 tile is two vectors of 8 rows, and the int16 sums need an add after each multiply.
+//
+// Built at first use by leanlm/kernels/__init__.py with -march=native: AVX-512 (F, BW, VNNI) intrinsics where the
+// CPU has them, else AVX2 + FMA intrinsics, else plain loops in float. LEANLM_PORTABLE forces the plain loops;
+// -mno-avx512f gives the AVX2 loops on an AVX-512 machine (the tests build all three and check each against a
+// float reference). isa() says which one a build runs.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -28,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #ifndef LEANLM_NS
@@ -36,6 +41,15 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(LEANLM_PORTABLE)
 #define LEANLM_AVX512 1
+#define LEANLM_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(LEANLM_PORTABLE)
+#define LEANLM_AVX2 1
+#define LEANLM_ISA "avx2"
+#else
+#define LEANLM_ISA "portable"
+#endif
+#if defined(LEANLM_AVX512) || defined(LEANLM_AVX2)
+#define LEANLM_SIMD 1  // integer dot products on int16-rounded activations
 #include <immintrin.h>
 #endif
 
@@ -65,29 +79,49 @@ struct Rows {
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) fp[m * K + k] = float(p[m * sm + k * sk]);
     });
-#ifdef LEANLM_AVX512
+#ifdef LEANLM_SIMD
     qbuf.assign(M * Kp, 0);
     sbuf.resize(M);
+    for (int64_t m = 0; m < M; ++m) sbuf[m] = round_row(fp + m * K, K, qbuf.data() + m * Kp);
     q = qbuf.data();
     scale = sbuf.data();
-    for (int64_t m = 0; m < M; ++m) {
-      const float* fm = fp + m * K;
-      __m512 amax16 = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 16)
-        amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(K - k), fm + k)));
-      const float amax = _mm512_reduce_max_ps(amax16);
-      sbuf[m] = amax / 32767.f;
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-      for (int64_t k = 0; k < K; k += 16) {  // round to nearest even, as std::nearbyint; |value| <= 32767
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail(K - k), fm + k), inv));
-        _mm256_mask_storeu_epi16(qbuf.data() + m * Kp + k, tail(K - k), _mm512_cvtsepi32_epi16(v));
-      }
-    }
 #endif
   }
 
 #ifdef LEANLM_AVX512
   static __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : (1u << left) - 1; }
+
+  // f [K] -> q [K] = round(f / scale) to nearest even (as std::nearbyint), |q| <= 32767; returns the scale
+  static float round_row(const float* f, int64_t K, int16_t* q) {
+    __m512 amax16 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)
+      amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(K - k), f + k)));
+    const float amax = _mm512_reduce_max_ps(amax16);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail(K - k), f + k), inv));
+      _mm256_mask_storeu_epi16(q + k, tail(K - k), _mm512_cvtsepi32_epi16(v));
+    }
+    return amax / 32767.f;
+  }
+#elif defined(LEANLM_AVX2)
+  static float round_row(const float* f, int64_t K, int16_t* q) {  // as above, 8 at a time
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax8 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(f + k)));
+    float amax = 0.f, lanes[8];
+    _mm256_storeu_ps(lanes, amax8);
+    for (float a : lanes) amax = std::max(amax, a);
+    for (int64_t t = k; t < K; ++t) amax = std::max(amax, std::fabs(f[t]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (k = 0; k + 8 <= K; k += 8) {
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(f + k), _mm256_set1_ps(inv)));
+      _mm_storeu_si128((__m128i*)(q + k), _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+    }
+    for (; k < K; ++k) q[k] = int16_t(std::nearbyint(f[k] * inv));
+    return amax / 32767.f;
+  }
 #endif
 };
 
@@ -186,6 +220,100 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
   }
 }
 
+#elif defined(LEANLM_AVX2)
+constexpr int64_t kChunk = 4096;  // as above: 8 lanes, two chains, |sum| < 2 * 32767 * 128 * 4096 / 16 / 2 < 2^31
+
+inline __m256 bf16x8(const bf16* p) {  // 8 bf16 -> float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline __m256i pair(const int16_t* p) {  // broadcast two adjacent int16 to every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i dot(__m256i acc, __m256i a, __m256i b) {  // acc + (pairwise int16 products summed into int32)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Rows n0..n1 of w against M rows of x, as the AVX-512 loop; columns past the last 16 in plain integer loops.
+template <int M>
+void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int8_t* w, const bf16* scale,
+               float* y, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    __m256 sum[M];
+    int32_t rest[M] = {};
+    for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K; c += kChunk) {
+      const int64_t end = std::min(K, c + kChunk);
+      __m256i acc[M][2];
+      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      int64_t k = c;
+      for (; k + 32 <= end; k += 32)
+        for (int u = 0; u < 2; ++u) {
+          const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k + 16 * u)));
+          for (int m = 0; m < M; ++m)
+            acc[m][u] = dot(acc[m][u], wv, _mm256_loadu_si256((const __m256i*)(xq + m * Kp + k + 16 * u)));
+        }
+      for (; k + 16 <= end; k += 16) {
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k)));
+        for (int m = 0; m < M; ++m) acc[m][0] = dot(acc[m][0], wv, _mm256_loadu_si256((const __m256i*)(xq + m * Kp + k)));
+      }
+      for (; k < end; ++k)
+        for (int m = 0; m < M; ++m) rest[m] += row[k] * xq[m * Kp + k];
+      for (int m = 0; m < M; ++m)
+        sum[m] = _mm256_add_ps(sum[m], _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1])));
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = (hsum(sum[m]) + float(rest[m])) * xs[m] * float(scale[n]);
+  }
+}
+
+// Tiles t0..t1 of the int4 weight against M rows of x, as the AVX-512 loop; a tile's 16 rows are two vectors
+// (h = 0, 1) of 8, each fed by 16 of the 32 bytes that hold 4 columns.
+template <int M>
+void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K, int64_t Kp, const uint8_t* w,
+                const bf16* scales, const bf16* zeros, int64_t g, float* y, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t G = K / g;
+  const __m256i low4 = _mm256_set1_epi16(15);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * 8 * K;
+    __m256 sum[M][2];
+    for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < G; ++j) {
+      __m256i acc[M][2];
+      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      for (int64_t k = j * g; k < (j + 1) * g; k += 4)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(tile + k * 8 + 16 * h)));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_srli_epi16(v, 4);
+          for (int m = 0; m < M; ++m)
+            acc[m][h] = dot(dot(acc[m][h], lo, pair(xq + m * Kp + k)), hi, pair(xq + m * Kp + k + 2));
+        }
+      for (int h = 0; h < 2; ++h) {  // x w = s (x q) + (z - 8 s) x over the group, with x q = xs * (xq q)
+        const __m256 s = bf16x8(scales + j * N + t * 16 + 8 * h);
+        const __m256 zb = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8(zeros + j * N + t * 16 + 8 * h));
+        for (int m = 0; m < M; ++m) {
+          const __m256 dotf = _mm256_cvtepi32_ps(acc[m][h]);
+          sum[m][h] = _mm256_fmadd_ps(dotf, _mm256_mul_ps(s, _mm256_set1_ps(xs[m])), sum[m][h]);
+          sum[m][h] = _mm256_fmadd_ps(zb, _mm256_set1_ps(xsum[m * G + j]), sum[m][h]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + m * N + t * 16 + 8 * h, sum[m][h]);
+  }
+}
+#endif
+
+#ifdef LEANLM_SIMD
 using Int8Rows = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const bf16*, float*,
                          int64_t, int64_t, int64_t);
 constexpr Int8Rows kInt8[] = {nullptr,      int8_rows<1>, int8_rows<2>, int8_rows<3>, int8_rows<4>,
@@ -211,7 +339,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const bf16* sp = scale.data_ptr<bf16>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
-#ifdef LEANLM_AVX512
+#ifdef LEANLM_SIMD
     for (int64_t t = n0; t < n1; t += 64)  // 64 weight rows stay in cache while each block of x rows uses them
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
         kInt8[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp, sp,
@@ -239,7 +367,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                   zeros.is_contiguous(),
               "int4_gemv wants contiguous bf16 scales and zeros [K / g, N]");
   const Rows r(x);
-#ifdef LEANLM_AVX512
+#ifdef LEANLM_SIMD
   const int64_t G = K / g;
   thread_local std::vector<float> xsum;  // for the zero points: sum_k x (z - 8 s) over each group
   xsum.assign(M * G, 0.f);
@@ -252,7 +380,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / 16, 2, [&](int64_t t0, int64_t t1) {
-#ifdef LEANLM_AVX512
+#ifdef LEANLM_SIMD
     for (int64_t t = t0; t < t1; t += 4)
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
         kInt4[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, xs + m0 * G, K,
@@ -272,9 +400,12 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+std::string isa() { return LEANLM_ISA; }
+
 }  // namespace
 
 TORCH_LIBRARY(LEANLM_NS, m) {
+  m.def("isa() -> str", isa);  // no tensor argument: one kernel for every backend
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
 }

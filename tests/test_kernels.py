@@ -57,6 +57,25 @@ def test_int8_gemv_matches_float(ops, N, K, M, dtype):
     assert _rel(y, ref.float()) < 2e-4  # x rounded to int16 (2^-16 of its max), far below bf16's own 2^-9
 
 
+@pytest.mark.parametrize("N, K", [(37, 200), (130, 576)])
+@pytest.mark.parametrize("M", [1, 3, 19])
+def test_int8_gemv_q8_matches_int_matmul(ops, N, K, M):  # W8A8: the int32 sums exact, not rounded
+    g = torch.Generator().manual_seed(N + M)
+    xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    xs, scale = torch.rand(M, generator=g) + 0.5, torch.rand(N, generator=g) + 0.5
+    acc = (xq.long() @ w.long().T).double()
+    ref = (acc * xs.double()[:, None] * scale.double()).float()
+    y = ops.int8_gemv_q8(xq, xs, w, scale)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    if ops.isa() == "portable":  # float sums
+        assert _rel(y, ref) < 1e-6
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match="float32 scales of x"):
+        ops.int8_gemv_q8(xq, xs.bfloat16(), w, scale)
+
+
 @pytest.mark.parametrize("N, K, g", [(48, 256, 32), (16, 576, 64), (64, 512, 128)])
 @pytest.mark.parametrize("M", [1, 3, 19])
 def test_int4_gemv_matches_float(ops, N, K, g, M):

@@ -1,4 +1,4 @@
-"""leanlm's C++ CPU kernels (cpu.cpp): the weight-only int8 and int4 products of W8A16 and W4A16.
+"""leanlm's C++ CPU kernels (cpu.cpp): the int8 and int4 products of W8A16, W4A16 and (decode) W8A8.
 
 Integer dot products (AVX-512 VNNI, or AVX2 where the CPU has no AVX-512) on activations rounded to int16; on the
 default model's decode matrices they read weights ~2x faster than torch's `_weight_int8pack_mm` and up to 1.6x
@@ -9,6 +9,7 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     ops = kernels.ops()
     ops.isa()  # "avx512", "avx2" or "portable" (plain loops, slow): the instructions this build runs
     y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
+    y = ops.int8_gemv_q8(xq, xs, w, scale)  # x = xq [M, K] int8 * xs [M]; scale [N] float32 (W8A8)
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
 """
 
@@ -102,8 +103,9 @@ def _built(library: str) -> bool:
 def _register_fakes(name: str) -> None:
     """Output shapes for torch.compile's tracing (the kernel itself runs at execution)."""
 
-    def product(x, w, *_):  # x [M, K], w [N, ...] -> [M, N] float32, for both ops
+    def product(x, w, *_):  # x [M, K], w [N, ...] -> [M, N] float32
         return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
     for op in ("int8_gemv", "int4_gemv"):
         torch.library.register_fake(f"{name}::{op}", product)
+    torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))

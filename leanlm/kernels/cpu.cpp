@@ -1,5 +1,6 @@
 // Products of a few activation rows (decode, a short prompt, a speculative check) with quantized weights, on CPU:
 //   int8_gemv: y[m, n] = scale[n] * sum_k x[m, k] w[n, k]               w [N, K] int8, one scale per row
+//   int8_gemv_q8: the same with x given as int8 codes and a scale per row (W8A8's per-token activations)
 //   int4_gemv: y[m, n] = sum_k x[m, k] ((q[n, k] - 8) s[n, k/g] + z[n, k/g])   q in [0, 15], groups of g along K
 //
 // The activation rows are rounded to int16 with one scale per row (error at most 2^-16 of the row's largest
@@ -67,12 +68,9 @@ struct Rows {
   const int16_t* q = nullptr;    // [M, Kp]
   const float* scale = nullptr;  // [M]: x ~ q * scale
 
-  explicit Rows(const at::Tensor& x) : M(x.size(0)), K(x.size(1)), Kp((K + 31) / 32 * 32) {
-    thread_local std::vector<float> fbuf, sbuf;
-    thread_local std::vector<int16_t> qbuf;
-    fbuf.resize(M * K);
-    float* fp = fbuf.data();
-    f = fp;
+  // x [M, K] rounded to int16 per row
+  explicit Rows(const at::Tensor& x) : Rows(x.size(0), x.size(1)) {
+    float* fp = fbuf().data();
     const int64_t sm = x.stride(0), sk = x.stride(1);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows", [&] {
       const scalar_t* p = x.data_ptr<scalar_t>();
@@ -80,14 +78,38 @@ struct Rows {
         for (int64_t k = 0; k < K; ++k) fp[m * K + k] = float(p[m * sm + k * sk]);
     });
 #ifdef LEANLM_SIMD
-    qbuf.assign(M * Kp, 0);
-    sbuf.resize(M);
-    for (int64_t m = 0; m < M; ++m) sbuf[m] = round_row(fp + m * K, K, qbuf.data() + m * Kp);
-    q = qbuf.data();
-    scale = sbuf.data();
+    for (int64_t m = 0; m < M; ++m) sbuf()[m] = round_row(fp + m * K, K, qbuf().data() + m * Kp);
 #endif
   }
 
+  // x = codes [M, K] int8 (contiguous) times scales [M] float32, as W8A8 quantized it: widened, not rounded again
+  Rows(const at::Tensor& codes, const at::Tensor& scales) : Rows(codes.size(0), codes.size(1)) {
+    const int8_t* c = codes.data_ptr<int8_t>();
+    float *fp = fbuf().data(), *sp = sbuf().data();
+    std::memcpy(sp, scales.data_ptr<float>(), M * sizeof(float));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) fp[m * K + k] = c[m * K + k] * sp[m];
+#ifdef LEANLM_SIMD
+    for (int64_t m = 0; m < M; ++m) std::copy(c + m * K, c + (m + 1) * K, qbuf().data() + m * Kp);
+#endif
+  }
+
+ private:
+  Rows(int64_t M_, int64_t K_) : M(M_), K(K_), Kp((K_ + 31) / 32 * 32) {
+    fbuf().resize(M * K);
+    sbuf().resize(M);
+    f = fbuf().data();
+    scale = sbuf().data();
+#ifdef LEANLM_SIMD
+    qbuf().assign(M * Kp, 0);
+    q = qbuf().data();
+#endif
+  }
+  static std::vector<float>& fbuf() { thread_local std::vector<float> b; return b; }
+  static std::vector<float>& sbuf() { thread_local std::vector<float> b; return b; }
+  static std::vector<int16_t>& qbuf() { thread_local std::vector<int16_t> b; return b; }
+
+ public:
 #ifdef LEANLM_AVX512
   static __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : (1u << left) - 1; }
 
@@ -148,8 +170,8 @@ inline __m512i pair(const int16_t* p) {  // broadcast two adjacent int16 to ever
 }
 
 // Rows n0..n1 of w against M rows of x, along K: each row's 16 int32 lanes are summed at its end.
-template <int M>
-void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int8_t* w, const bf16* scale,
+template <int M, typename S>
+void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int8_t* w, const S* scale,
                float* y, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * K;
@@ -244,8 +266,8 @@ inline float hsum(__m256 v) {
 }
 
 // Rows n0..n1 of w against M rows of x, as the AVX-512 loop; columns past the last 16 in plain integer loops.
-template <int M>
-void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int8_t* w, const bf16* scale,
+template <int M, typename S>
+void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int8_t* w, const S* scale,
                float* y, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * K;
@@ -314,10 +336,12 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
 #endif
 
 #ifdef LEANLM_SIMD
-using Int8Rows = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const bf16*, float*,
-                         int64_t, int64_t, int64_t);
-constexpr Int8Rows kInt8[] = {nullptr,      int8_rows<1>, int8_rows<2>, int8_rows<3>, int8_rows<4>,
-                              int8_rows<5>, int8_rows<6>, int8_rows<7>, int8_rows<8>};
+template <typename S>  // the weight scales' type: bf16 (W8A16) or float (W8A8)
+using Int8Rows = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const S*, float*, int64_t,
+                          int64_t, int64_t);
+template <typename S>
+constexpr Int8Rows<S> kInt8[] = {nullptr,         int8_rows<1, S>, int8_rows<2, S>, int8_rows<3, S>, int8_rows<4, S>,
+                                 int8_rows<5, S>, int8_rows<6, S>, int8_rows<7, S>, int8_rows<8, S>};
 using Int4Tiles = void (*)(const int16_t*, const float*, const float*, int64_t, int64_t, const uint8_t*,
                            const bf16*, const bf16*, int64_t, float*, int64_t, int64_t, int64_t);
 constexpr Int4Tiles kInt4[] = {nullptr,       int4_tiles<1>, int4_tiles<2>, int4_tiles<3>, int4_tiles<4>,
@@ -330,20 +354,18 @@ inline int nibble(const uint8_t* w, int64_t K, int64_t n, int64_t k) {
   return k % 4 < 2 ? b & 15 : b >> 4;
 }
 
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  at::Tensor y = check(x, w, N, K, at::kChar, "an int8 weight [N, K]");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N, "int8_gemv wants bf16 scales [N]");
-  const Rows r(x);
+// y [M, N] = r's rows times w [N, K] int8, times scale [N]
+template <typename S>
+void int8_product(const Rows& r, const at::Tensor& w, const S* sp, at::Tensor& y) {
+  const int64_t N = w.size(0), K = w.size(1), M = r.M;
   const int8_t* wp = w.data_ptr<int8_t>();
-  const bf16* sp = scale.data_ptr<bf16>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
 #ifdef LEANLM_SIMD
     for (int64_t t = n0; t < n1; t += 64)  // 64 weight rows stay in cache while each block of x rows uses them
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-        kInt8[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp, sp,
-                                          yp + m0 * N, N, t, std::min(t + 64, n1));
+        kInt8<S>[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp, sp, yp + m0 * N, N, t,
+                                             std::min(t + 64, n1));
 #else
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
@@ -353,6 +375,24 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
       }
 #endif
   });
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  at::Tensor y = check(x, w, w.size(0), w.size(1), at::kChar, "an int8 weight [N, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == w.size(0), "int8_gemv wants bf16 scales [N]");
+  int8_product(Rows(x), w, scale.data_ptr<bf16>(), y);
+  return y;
+}
+
+// W8A8: y = xs * scale * (xq w^T), the sums exact in int32 (converted to float every kChunk columns)
+at::Tensor int8_gemv_q8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& scale) {
+  at::Tensor y = check(xq, w, w.size(0), w.size(1), at::kChar, "an int8 weight [N, K]");
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous(), "int8_gemv_q8 wants contiguous int8 codes x [M, K]");
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.numel() == xq.size(0) && xs.is_contiguous(),
+              "int8_gemv_q8 wants float32 scales of x [M]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0) && scale.is_contiguous(),
+              "int8_gemv_q8 wants float32 scales [N]");
+  int8_product(Rows(xq, xs), w, scale.data_ptr<float>(), y);
   return y;
 }
 
@@ -407,10 +447,12 @@ std::string isa() { return LEANLM_ISA; }
 TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("isa() -> str", isa);  // no tensor argument: one kernel for every backend
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
+  m.impl("int8_gemv_q8", int8_gemv_q8);
   m.impl("int4_gemv", int4_gemv);
 }

@@ -9,7 +9,7 @@ from torch import nn
 from leanlm import kernels
 from leanlm.compress.quant.linear import (SCHEMES, FP8Linear, Int8OutlierLinear, W4A16Linear, W8A8Linear,
                                          W8A16Linear, pack_int4, unpack_int4)
-from leanlm.compress.quant.primitives import sqnr_db
+from leanlm.compress.quant.primitives import int_matmul_reference, sqnr_db
 from leanlm.errors import LeanLMError
 
 MODULES = {
@@ -58,6 +58,18 @@ def test_without_the_leanlm_kernels(monkeypatch, cls):  # no C++ compiler: torch
     q = cls.from_float(lin)
     x = torch.randn(3, 256).bfloat16()
     assert _rel(q(x), x.float() @ q.dequantized_weight().T + lin.bias.detach()) < 1e-2
+
+
+@pytest.mark.parametrize("act_scale", [None, 4.0 / 127])
+@pytest.mark.parametrize("M", [1, 5])
+def test_w8a8_decode_kernel_equals_int_matmul(act_scale, M):  # the int8 codes of x and w, int32 sums either way
+    if kernels.ops() is None:
+        pytest.skip("no C++ compiler")
+    q = W8A8Linear.from_float(_linear(200, 48), act_scale=act_scale)  # K = 200: the kernel's column tail
+    x = torch.randn(M, 200).bfloat16()
+    x_q, s_x = q.quantize_input(x)
+    ref = int_matmul_reference(x_q, s_x, None, q.weight, q.scales, None)  # torch._int_mm
+    torch.testing.assert_close(q.int8_product(x), ref, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -2,7 +2,10 @@ import mmap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from leanlm import runtime
+from leanlm.models.layers import Linear
 from leanlm.models.loading import load_model
 from leanlm.runtime import HUGE_PAGE, weights_on_huge_pages
 
@@ -37,3 +40,18 @@ def test_moving_weights_keeps_every_value_and_the_outputs(tiny_dir):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     with torch.inference_mode():
         assert torch.equal(model(tokens, positions, None), logits)
+
+
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_prefill_products_run_in_the_cpus_fast_dtype(monkeypatch, bf16_gemm):
+    monkeypatch.setattr(runtime, "CPU_BF16_GEMM", bf16_gemm)
+    cpu = torch.device("cpu")
+    assert runtime.matmul_dtype(torch.float16, cpu) == torch.float32
+    assert runtime.matmul_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if bf16_gemm else torch.float32)
+    assert runtime.matmul_dtype(torch.float32, cpu) == torch.float32
+    lin = Linear(64, 32).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    cdt = torch.bfloat16 if bf16_gemm else torch.float32
+    expect = F.linear(x.to(cdt), lin.weight.to(cdt), lin.bias.to(cdt)).bfloat16()
+    assert torch.equal(lin(x), expect)
+    assert torch.equal(lin(x[:1]), F.linear(x[:1], lin.weight, lin.bias))  # one row (decode): the weight's dtype

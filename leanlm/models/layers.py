@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm.models.config import ModelConfig
+from leanlm.runtime import matmul_dtype
 
 
 class Linear(nn.Linear):
@@ -14,8 +15,9 @@ class Linear(nn.Linear):
 
     - Compiled single row (decode): a plain reduction, which inductor turns into one fused loop that
       streams the weight once (the library bf16 GEMV pays a large fixed cost per call here).
-    - float16 weights, several rows (prefill): this CPU has no fp16 matrix-matrix path (~3 GFLOP/s), so
-      the product runs in float32; fp16 stays the storage format because its GEMV is the fastest decode.
+    - Several rows (prefill) of a 16-bit weight on a CPU without a GEMM for its dtype (fp16 on x86; bf16 without
+      AVX512-BF16 or AMX): the product runs in float32 (runtime.matmul_dtype); the weight stays 16-bit in memory
+      because decode reads it whole every token.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -23,8 +25,8 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             y = (x.unsqueeze(-2).float() * w.float()).sum(-1)
             return (y if b is None else y + b.float()).to(x.dtype)
-        if w.dtype == torch.float16 and w.device.type == "cpu" and x.numel() > x.shape[-1]:
-            return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        if x.numel() > x.shape[-1] and (cdt := matmul_dtype(w.dtype, w.device)) != w.dtype:
+            return F.linear(x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)).to(x.dtype)
         return F.linear(x, w, b)
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from leanlm import kernels
+from leanlm.compress.quant import linear as linear_module
 from leanlm.compress.quant.linear import (SCHEMES, FP8Linear, Int8OutlierLinear, W4A16Linear, W8A8Linear,
                                          W8A16Linear, pack_int4, unpack_int4)
 from leanlm.compress.quant.primitives import int_matmul_reference, sqnr_db
@@ -61,10 +62,11 @@ def test_without_the_leanlm_kernels(monkeypatch, cls):  # no C++ compiler: torch
 
 
 @pytest.mark.parametrize("act_scale", [None, 4.0 / 127])
-@pytest.mark.parametrize("M", [1, 5])
-def test_w8a8_decode_kernel_equals_int_matmul(act_scale, M):  # the int8 codes of x and w, int32 sums either way
+@pytest.mark.parametrize("M, int8_gemm", [(1, True), (5, True), (40, False)])  # 40 rows: prefill without VNNI
+def test_w8a8_kernel_equals_int_matmul(monkeypatch, act_scale, M, int8_gemm):  # int32 sums of the same codes
     if kernels.ops() is None:
         pytest.skip("no C++ compiler")
+    monkeypatch.setattr(linear_module, "CPU_INT8_GEMM", int8_gemm)
     q = W8A8Linear.from_float(_linear(200, 48), act_scale=act_scale)  # K = 200: the kernel's column tail
     x = torch.randn(M, 200).bfloat16()
     x_q, s_x = q.quantize_input(x)

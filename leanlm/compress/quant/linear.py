@@ -20,6 +20,7 @@ from torch import nn
 from leanlm import kernels
 from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, int_matmul_reference, quantize
 from leanlm.errors import LeanLMError
+from leanlm.runtime import CPU_INT8_GEMM, matmul_dtype
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -108,8 +109,9 @@ class W8A16Linear(_QuantLinearBase):
         if not x.is_cpu:
             return self._reference(x)
         x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] > kernels.MAX_ROWS:  # prefill: one bf16 GEMM on the int8 codes (exact in bf16)
-            y = F.linear(x2d.to(torch.bfloat16), self.weight.to(torch.bfloat16)).float() * self.scales.float()
+        if x2d.shape[0] > kernels.MAX_ROWS:  # prefill: one GEMM on the int8 codes (exact in bf16)
+            cdt = matmul_dtype(torch.bfloat16, x2d.device)
+            y = F.linear(x2d.to(cdt), self.weight.to(cdt)).float() * self.scales.float()
         elif (ops := kernels.ops()) is not None:  # decode, short prompts, speculative checks
             y = ops.int8_gemv(x2d, self.weight, self.scales)
         else:  # no C++ compiler here
@@ -196,7 +198,8 @@ class W4A16Linear(_QuantLinearBase):
 class W8A8Linear(_QuantLinearBase):
     """int8 per-channel weights x int8 activations (per-token dynamic scales, or one calibrated static scale),
     int32 accumulation, then rescaled: leanlm's int8 kernel for up to kernels.MAX_ROWS rows (decode; on an AVX2
-    CPU `torch._int_mm` decoded at a third of bf16's speed), `torch._int_mm` beyond.
+    CPU `torch._int_mm` decoded at a third of bf16's speed), `torch._int_mm` beyond where the CPU has VNNI
+    (runtime.CPU_INT8_GEMM), the kernel again where not.
     https://arxiv.org/abs/2211.10438 (W8A8 scheme)"""
 
     SCHEME = "w8a8"
@@ -236,7 +239,8 @@ class W8A8Linear(_QuantLinearBase):
         """x2d quantized to int8 times the int8 weight, int32 accumulation, rescaled.  [M, K] -> [M, N] float32"""
         x_q, s_x = self.quantize_input(x2d)
         M = x_q.shape[0]
-        if x_q.is_cpu and M <= kernels.MAX_ROWS and (ops := kernels.ops()) is not None:  # decode: read w once
+        # decode reads w once; prefill too where torch._int_mm has no fast path (no VNNI)
+        if x_q.is_cpu and (M <= kernels.MAX_ROWS or not CPU_INT8_GEMM) and (ops := kernels.ops()) is not None:
             return ops.int8_gemv_q8(x_q, s_x.float().reshape(-1).expand(M).contiguous(), self.weight, self.scales)
         return int_matmul_reference(x_q, s_x, None, self.weight, self.scales, None)
 
@@ -288,7 +292,7 @@ class FP8Linear(_QuantLinearBase):
                                  out_dtype=torch.bfloat16)
             return self._finish(y, x)
         # The per-channel scale is applied to the [M, N] output, not the [N, K] weight: one fewer pass over K.
-        cdt = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+        cdt = torch.float32 if x.dtype == torch.float32 else matmul_dtype(torch.bfloat16, x2d.device)
         y = F.linear(x2d.to(cdt), self.weight.to(cdt)) * self.scales.to(cdt)
         return self._finish(y, x)
 
@@ -323,8 +327,7 @@ class Int8OutlierLinear(W8A8Linear):
         if cols.numel() == 0:
             return self._finish(self.int8_product(x2d), x)
         y = self.int8_product(x2d.index_fill(1, cols, 0))  # [M, N] float32, outliers left out of the row scales
-        # 16-bit for the outliers; fp16 has no CPU matmul path (DESIGN.md), so fp16 activations run in float32 there
-        cdt = torch.float32 if x.dtype == torch.float16 and x.is_cpu else x.dtype
+        cdt = matmul_dtype(x.dtype, x.device)  # 16-bit for the outliers, float32 on a CPU without a GEMM for it
         w = (self.weight[:, cols].float() * self.scales[:, None]).to(cdt)  # [N, C]
         y = y + (x2d[:, cols].to(cdt) @ w.T).float()
         return self._finish(y, x)

@@ -39,7 +39,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ops, G = kernels.ops(), args.group_size
     reduction = torch.compile(lambda x, w: (x.float() * w.float()).sum(-1).to(x.dtype), dynamic=False)
-    table = Table(title=f"batch-1 products, {args.threads} threads: microseconds (GB/s of weights read)")
+    table = Table(title=f"batch-1 products, {args.threads} threads, leanlm's kernels built for {ops.isa()}: "
+                        "microseconds (GB/s of weights read)")
     for col in ("matrix", "bf16 reduction", "torch int8pack", "leanlm int8", "torch int4pack", "leanlm int4"):
         table.add_column(col, justify="left" if col == "matrix" else "right")
     for name, (N, K) in SHAPES.items():

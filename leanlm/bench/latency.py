@@ -15,7 +15,7 @@ from leanlm.bench.probe import peaks
 from leanlm.generation.compiled import CompiledDecoder
 from leanlm.generation.decode import decode_step, prefill
 from leanlm.models.transformer import Transformer
-from leanlm.runtime import synchronize
+from leanlm.runtime import matmul_dtype, synchronize
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,9 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
     attn_flops = 2 * cfg.num_layers * cfg.q_size * prompt_tokens**2  # QK^T and PV, causal half of 4*T^2
     head_flops = 2 * cfg.vocab_size * cfg.hidden_size  # logits of the last position only
     flops = batch * (2 * (counts.attention + counts.mlp) * prompt_tokens + attn_flops + head_flops)
-    peak_flops = peak.matmul_gflops.get(dtype, peak.matmul_gflops.get("float32"))
+    # the peak of the dtype prefill's products run in (float32 for fp16, and for bf16 on CPUs without a bf16 GEMM)
+    compute = str(matmul_dtype(model.dtype, dev)).removeprefix("torch.")
+    peak_flops = peak.matmul_gflops.get(compute, peak.matmul_gflops.get("float32"))
     return BenchResult(
         model=name, compiled=compiled, device=str(dev), dtype=dtype, threads=threads, batch=batch,
         prompt_tokens=prompt_tokens, new_tokens=new_tokens,

@@ -80,14 +80,19 @@ def ops():
     return build()
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's feature flags (the machine name where /proc/cpuinfo has none)."""
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags from /proc/cpuinfo ("avx2", "avx512f", ...; ARM's "Features"), [] where it has none."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        flags = platform.machine()
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+        return []
+    return line.partition(":")[2].split()
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's feature flags (the machine name where /proc/cpuinfo has none)."""
+    return hashlib.sha1((" ".join(cpu_flags()) or platform.machine()).encode()).hexdigest()[:8]
 
 
 def _built(library: str) -> bool:

@@ -38,9 +38,8 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a matrix-matrix product of `dtype` operands runs in on `device`: float32 on a CPU for float16 (no
     x86 fp16 GEMM, ~3 GFLOP/s) and for bfloat16 without CPU_BF16_GEMM; `dtype` otherwise. The upcast is exact;
     only the accumulation gets finer."""
-    if device.type != "cpu" or not (dtype == torch.float16 or (dtype == torch.bfloat16 and not CPU_BF16_GEMM)):
-        return dtype
-    return torch.float32
+    no_gemm = dtype == torch.float16 or (dtype == torch.bfloat16 and not CPU_BF16_GEMM)
+    return torch.float32 if device.type == "cpu" and no_gemm else dtype
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

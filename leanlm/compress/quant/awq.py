@@ -152,28 +152,30 @@ def apply_scales(block: nn.Module, scales: dict[str, torch.Tensor]) -> None:
 
 @dataclass(frozen=True)
 class AWQ(Int4Options):
-    """AWQ onto the W4A16 kernel. Measured on Qwen2.5-Coder-0.5B (32 x 512 calibration windows, 8192 evaluation
-    tokens; bf16 perplexity 55.25, RTN W4 g128 58.33 with KL 0.124 to bf16): the activation-only search keeps
-    alpha <= 0.25 everywhere (RTN in 35 of 72 projections) and gives 62.42 (KL 0.117) with clipping, 59.00
-    (KL 0.125) without; duo_scaling picks 0.15-0.3 in most projections: 61.27, KL 0.113, top-1 79.5% against
-    RTN's 78.1%; scoring qkv and gate_up on the attention and MLP outputs, as the reference does, instead of on
-    their own outputs: 62.27, KL 0.116. AWQ brings the model closer to bf16 there but not its perplexity.
-    Where it loses (first 4096 tokens; AWQ 59.14, RTN 56.03): with RTN's MLPs in the AWQ model 56.77, with RTN's
-    attention 58.58; with the same scales, MLPs clipped nowhere 57.31, only down_proj 57.30, only gate_up 59.19,
-    although clipping lowers the MLP output error on calibration rows in 23 of 24 blocks (mean 0.83 of RTN's
-    with both clipped, 1.01 with neither). On 8192 tokens the loss sits in the tokens bf16 finds unlikely (its
-    NLL > 3, half of them): +0.110 nats each over bf16 against RTN's +0.018 (the rest: +0.096 and +0.096), and
-    is not a temperature shift: at each model's best temperature (1.1) RTN scores 56.40, AWQ 58.05. Nor is it
-    too little calibration data: with 128 x 512 windows (the default) AWQ scores 61.15, KL 0.114.
-    Later, on a Zen 3 (32 x 512 windows, first 4096 tokens; bf16 52.77, RTN 56.06, AWQ 58.60): calibrating every
-    block on the unquantized model's activations, as AutoAWQ does, instead of the quantized blocks' outputs: 58.39;
-    gate_up left unclipped (like q and k, it feeds a nonlinearity, SiLU): 56.56; only its up rows clipped: 57.37.
-    Unclipped gate_up on SmolLM2-135M (32 x 512, 16384 tokens) is worse: 31.16 (KL 0.140) against 30.60 (KL
-    0.132; RTN 34.23, KL 0.299), so clipping stays as in the reference. Clipping gate_up against the MLP's
-    first-order error instead (each token's gate-row error weighted by silu'(gate) * up, its up-row error by
-    silu(gate), on every 17th calibration row): Qwen 57.86, SmolLM2 30.55 (KL 0.128); too small a gain to carry.
-    SmolLM2-135M (64 x 512, 16384 tokens; bf16 27.27, RTN 34.26): duo_scaling 30.67, activation-only 30.99
-    (at 4d9a571). duo_scaling is the default because it did better on both."""
+    """AWQ onto the W4A16 kernel: per-channel scales searched on each projection's own output error, folded, then
+    clipped per group as the reference's auto_clip does. (The reference scores q/k/v on the attention output and
+    gate/up on the MLP output; done that way here it was worse: Qwen 62.27 against 61.27 on 8192 tokens.)
+
+    Against the published procedure (a re-implementation of AutoAWQ's steps on transformers' model in float32:
+    scales scored on the attention and MLP outputs, integer zero points, each block fed the unquantized model's
+    activations; 16 x 512 calibration windows, perplexity on the first 4096 tokens of the built-in evaluation text):
+    | model              | unquantized | RTN W4 g128: reference, leanlm | AWQ: reference, leanlm |
+    | SmolLM2-135M       | 25.24       | 32.02, 31.95                   | 28.88, 28.46           |
+    | Qwen2.5-Coder-0.5B | 52.78       | 56.36, 56.06                   | 61.82, 58.66           |
+    So on Qwen2.5-Coder-0.5B, with this text, AWQ itself loses to round-to-nearest in perplexity; this
+    implementation loses less. It still brings the model closer to bf16 there: KL 0.113 against RTN's 0.124, top-1
+    agreement 79.5% against 78.1% (8192 tokens, 32 x 512 windows). The loss sits in the tokens bf16 itself finds
+    unlikely (NLL > 3: +0.110 nats each over bf16 against RTN's +0.018); it is not a temperature shift (at each
+    model's best temperature RTN 56.40, AWQ 58.05) nor too little data (128 x 512 windows: 61.15 on 8192 tokens).
+
+    What else was tried on Qwen (32 x 512 windows, first 4096 tokens; RTN 56.06, this AWQ 58.60), none beating RTN:
+    each block calibrated on the unquantized model's activations 58.39; gate_up left unclipped 56.56 (but SmolLM2
+    then gets worse, 31.16 against 30.60 on 16384 tokens, so clipping stays); only the up rows of gate_up clipped
+    57.37; gate_up clipped against the MLP's first-order error (gate rows weighted by silu'(gate) * up, up rows by
+    silu(gate)) 57.86. Earlier, with AWQ at 59.14 and RTN at 56.03: RTN's MLPs in the AWQ model 56.77, RTN's
+    attention 58.58, so the MLPs lose most of it.
+    Activation-only scales (duo_scaling=False) did worse than duo scaling on both models (SmolLM2 30.99 against
+    30.67; Qwen 62.42 against 61.27 on 8192 tokens), hence the default."""
 
     name: ClassVar[str] = "awq"
     needs_data: ClassVar[bool] = True

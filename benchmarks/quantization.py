@@ -33,9 +33,10 @@ err = Console(stderr=True)
 # name -> quantize options; "bf16" is the base model itself
 VARIANTS = {
     "rtn-w8a16": ["--method", "rtn", "--bits", "8"],
-    "rtn-w8a16+head": ["--method", "rtn", "--bits", "8", "--lm-head", "8"],
+    "rtn-w8a16+head8": ["--method", "rtn", "--bits", "8", "--lm-head", "8"],
     "rtn-w4a16-g128": ["--method", "rtn", "--bits", "4", "--group-size", "128"],
-    "rtn-w4a16-g128+head": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--lm-head", "4"],
+    "rtn-w4a16-g128+head8": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--lm-head", "8"],
+    "rtn-w4a16-g128+head4": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--lm-head", "4"],
     "gptq-w4a16-g128": ["--method", "gptq", "--group-size", "128"],
     "awq-w4a16-g128": ["--method", "awq", "--group-size", "128"],
     "rtn-w8a8": ["--method", "rtn", "--bits", "8", "--act-bits", "8"],
@@ -43,7 +44,8 @@ VARIANTS = {
     "llm-int8": ["--method", "llm_int8"],
 }  # fp8 is left out: on CPU its weights are upcast on the fly, 25-45x slower than bf16 (see FP8Linear)
 CALIBRATED = ("gptq", "awq", "smoothquant")
-SPEED = ("bf16", "fp16", "rtn-w8a16", "rtn-w8a16+head", "rtn-w4a16-g128", "rtn-w4a16-g128+head", "rtn-w8a8")
+SPEED = ("bf16", "fp16", "rtn-w8a16", "rtn-w8a16+head8", "rtn-w4a16-g128", "rtn-w4a16-g128+head8",
+         "rtn-w4a16-g128+head4", "rtn-w8a8")
 
 
 def quantized(model: str, variant: str, samples: int, seq_len: int) -> Path:
@@ -107,7 +109,8 @@ def speed_table(model: str, args) -> Table:
     runs = {v: sorted(t, key=lambda r: r["tokens_per_s"])[len(t) // 2] for v, t in trials.items()}  # the median
     bf16 = runs["bf16"]["tokens_per_s"]
     fastest16 = max(runs["bf16"]["tokens_per_s"], runs["fp16"]["tokens_per_s"])
-    goals = {"rtn-w8a16": 1.6, "rtn-w8a16+head": 1.6, "rtn-w4a16-g128": 2.5, "rtn-w4a16-g128+head": 2.5}
+    goals = {"rtn-w8a16": 1.6, "rtn-w8a16+head8": 1.6, "rtn-w4a16-g128": 2.5, "rtn-w4a16-g128+head8": 2.5,
+             "rtn-w4a16-g128+head4": 2.5}
     table = Table(title=f"{model}: batch-1 compiled decode, {args.threads} threads, 64 tokens after 64 "
                         f"(each a fresh process; median of {args.repeats} rounds)")
     # bytes limit: the ratio to bf16 if both streamed their weights at the same bandwidth (a bf16 lm_head keeps

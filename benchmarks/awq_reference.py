@@ -94,11 +94,13 @@ def reference_awq(model, samples: torch.Tensor, rtn_only: bool) -> None:
     x = model.model.embed_tokens(samples)
     pe = model.model.rotary_emb(x, torch.arange(samples.shape[1])[None])
 
+    positional = (type(model.model.layers[0]), type(model.model.layers[0].self_attn))  # they take rope and mask
+
     def run(module, inp):  # 4 windows at a time
         outs = []
         for i in range(0, inp.shape[0], 4):
-            o = module(inp[i:i + 4], position_embeddings=pe, attention_mask=None) if module.__class__.__name__.endswith(
-                ("Attention", "DecoderLayer")) else module(inp[i:i + 4])
+            kwargs = {"position_embeddings": pe, "attention_mask": None} if isinstance(module, positional) else {}
+            o = module(inp[i:i + 4], **kwargs)
             outs.append(o[0] if isinstance(o, tuple) else o)
         return torch.cat(outs)
 

@@ -3,6 +3,9 @@ with the same weights."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -14,19 +17,25 @@ def _cpu_has(*flags: str) -> bool:
     return set(flags) <= set(kernels.cpu_flags())
 
 
+def _build(variant: str = "native"):
+    """The build's ops; a skip where there is no compiler, a failure where one is here and cpu.cpp does not build."""
+    ops = kernels.build(variant)
+    if ops is None:
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            pytest.skip("no C++ compiler: the kernels cannot be built here")
+        pytest.fail(f"a C++ compiler is here but the {variant} build of cpu.cpp failed (see the warning)")
+    return ops
+
+
 @pytest.fixture(params=["native", "avx2", "portable"])
 def ops(request):
     if request.param == "avx2" and not _cpu_has("avx2", "fma"):
         pytest.skip("this CPU has no AVX2 + FMA")
-    ops = kernels.build(request.param)
-    if ops is None:
-        pytest.skip("no C++ compiler: the kernel cannot be built here")
-    return ops
+    return _build(request.param)
 
 
 def test_each_build_runs_the_loops_it_names():
-    if kernels.ops() is None:
-        pytest.skip("no C++ compiler")
+    _build()
     assert kernels.build("portable").isa() == "portable"
     native = "avx512" if _cpu_has("avx512f", "avx512bw", "avx512_vnni") else "avx2" if _cpu_has("avx2", "fma") else "portable"
     assert kernels.ops().isa() == native
@@ -101,9 +110,7 @@ def test_bad_arguments_raise(ops):
 
 
 def test_kernels_run_inside_a_compiled_graph():
-    ops = kernels.ops()
-    if ops is None:
-        pytest.skip("no C++ compiler")
+    ops = _build()
     w, scale = torch.randint(-127, 128, (48, 64), dtype=torch.int8), torch.rand(48).bfloat16()
     fn = torch.compile(lambda x: ops.int8_gemv(x.bfloat16(), w, scale).relu(), fullgraph=True, dynamic=False)
     x = torch.randn(1, 64)

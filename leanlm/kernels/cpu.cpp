@@ -15,7 +15,8 @@
 // so a tile needs no horizontal sum, and its group scales are one vector load.
 //
 // Without AVX-512 (Zen 3 and older, most laptops) AVX2 does the same with `vpmaddwd`, 16 int16 pairs into 8 int32
-// lanes: an int4 tile is two vectors of 8 rows, and the int16 sums need an add after each multiply.
+// lanes: an int4 tile is two vectors of 8 rows, and the int16 sums need an add after each multiply. These loops
+// also prefetch the weights a few KiB ahead of the loads, which the memory system then overlaps with the compute.
 //
 // Built at first use by leanlm/kernels/__init__.py with -march=native: AVX-512 (F, BW, VNNI) intrinsics where the
 // CPU has them, else AVX2 + FMA intrinsics, else plain loops in float. LEANLM_PORTABLE forces the plain loops;
@@ -243,6 +244,9 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
 }
 
 #elif defined(LEANLM_AVX2)
+// Zen 3's hardware prefetcher alone leaves the int4 loop at 9-15 GB/s and the int8 loop at 12-18 (2 threads);
+// asking for the weight bytes 4 KiB ahead raised them by 5-25% (1024 to 4096 bytes all helped, 4096 most).
+constexpr int64_t kPrefetch = 4096;
 constexpr int64_t kChunk = 4096;  // as above: 8 lanes, two chains, |sum| < 2 * 32767 * 128 * 4096 / 16 / 2 < 2^31
 
 inline __m256 bf16x8(const bf16* p) {  // 8 bf16 -> float32
@@ -279,12 +283,14 @@ void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const 
       __m256i acc[M][2];
       for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
       int64_t k = c;
-      for (; k + 32 <= end; k += 32)
+      for (; k + 32 <= end; k += 32) {
+        _mm_prefetch((const char*)(row + k + kPrefetch), _MM_HINT_T0);
         for (int u = 0; u < 2; ++u) {
           const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k + 16 * u)));
           for (int m = 0; m < M; ++m)
             acc[m][u] = dot(acc[m][u], wv, _mm256_loadu_si256((const __m256i*)(xq + m * Kp + k + 16 * u)));
         }
+      }
       for (; k + 16 <= end; k += 16) {
         const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k)));
         for (int m = 0; m < M; ++m) acc[m][0] = dot(acc[m][0], wv, _mm256_loadu_si256((const __m256i*)(xq + m * Kp + k)));
@@ -312,13 +318,15 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
     for (int64_t j = 0; j < G; ++j) {
       __m256i acc[M][2];
       for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-      for (int64_t k = j * g; k < (j + 1) * g; k += 4)
+      for (int64_t k = j * g; k < (j + 1) * g; k += 4) {
+        _mm_prefetch((const char*)(tile + k * 8 + kPrefetch), _MM_HINT_T0);
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(tile + k * 8 + 16 * h)));
           const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_srli_epi16(v, 4);
           for (int m = 0; m < M; ++m)
             acc[m][h] = dot(dot(acc[m][h], lo, pair(xq + m * Kp + k)), hi, pair(xq + m * Kp + k + 2));
         }
+      }
       for (int h = 0; h < 2; ++h) {  // x w = s (x q) + (z - 8 s) x over the group, with x q = xs * (xq q)
         const __m256 s = bf16x8(scales + j * N + t * 16 + 8 * h);
         const __m256 zb = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8(zeros + j * N + t * 16 + 8 * h));

@@ -73,6 +73,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
+        if hasattr(cache, "attend"):  # an engine step (cache.paged_attention): B = 1, T packed tokens
+            q, k, v = qk[0, :, : self.n_heads], qk[0, :, self.n_heads :], qkv[0, :, self.n_heads + self.n_kv :]
+            return self.o_proj(cache.attend(self.layer, q, k, v).reshape(B, T, -1))
         q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, self.n_heads :].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, self.n_heads + self.n_kv :].transpose(1, 2)

@@ -41,8 +41,9 @@ class Transformer(nn.Module):
         return (self.rope_cos[positions].unsqueeze(2).to(self.dtype),
                 self.rope_sin[positions].unsqueeze(2).to(self.dtype))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
-        """tokens, positions [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None, last_only: bool = False,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only, [B, R, V] at `rows` [R])."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions)
@@ -53,4 +54,6 @@ class Transformer(nn.Module):
             cache.advance(T)
         if last_only:
             x = x[:, -1:]
+        elif rows is not None:
+            x = x[:, rows]
         return self.lm_head(self.norm(x))

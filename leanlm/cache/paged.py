@@ -1,0 +1,200 @@
+"""Paged KV cache: keys and values in fixed-size blocks from one pool, handed out by a block manager with reference
+counts and prefix caching.  PagedAttention: https://arxiv.org/abs/2309.06180
+
+A sequence owns a block table (block ids, in order); token position p lives in slot
+`table[p // block_size] * block_size + p % block_size` of every layer's pool. A full block is keyed by a chained
+hash of (its parent's key, its token ids): a new sequence whose prompt starts with the same tokens reuses those
+blocks instead of computing them again. A freed block keeps its contents and key until the pool needs it back
+(least recently freed first), so a prompt seen a while ago can still be found.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+import torch
+
+from leanlm.compress.quant.kv import dequantize_per_token, quantize_per_token
+from leanlm.errors import LeanLMError
+from leanlm.models.config import ModelConfig
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVPool:
+    """Every layer's keys and values, slot by slot: k[layer] [num_blocks * block_size, Hkv, D]. With int8=True the
+    entries are int8 codes with a float32 scale per (slot, head) (compress.quant.kv): about half the bytes."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device=None,
+                 int8: bool = False):
+        if num_blocks < 1:
+            raise LeanLMError(f"the KV cache budget holds no block of {block_size} tokens; give it more memory")
+        self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        store = torch.int8 if int8 else dtype
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
+        scale = (shape[0], shape[1], 1)
+        self.k_scale = [torch.zeros(scale, device=device) for _ in range(cfg.num_layers)] if int8 else None
+        self.v_scale = [torch.zeros(scale, device=device) for _ in range(cfg.num_layers)] if int8 else None
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool = False) -> int:
+        """2 (k and v) x layers x tokens x kv heads x (head_dim x bytes per element, + a float32 scale if int8)."""
+        per_head = cfg.head_dim + 4 if int8 else cfg.head_dim * dtype.itemsize
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
+
+    @classmethod
+    def from_budget(cls, cfg: ModelConfig, memory: int, block_size: int, dtype: torch.dtype, device=None,
+                    int8: bool = False) -> KVPool:
+        """As many blocks as `memory` bytes hold."""
+        return cls(cfg, memory // cls.bytes_per_block(cfg, block_size, dtype, int8), block_size, dtype, device, int8)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v + (self.k_scale or []) + (self.v_scale or []))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' keys and values  # slots [N]; k, v [N, Hkv, D]"""
+        if not self.int8:
+            self.k[layer].index_copy_(0, slots, k)
+            self.v[layer].index_copy_(0, slots, v)
+            return
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, scale = quantize_per_token(x)
+            codes[layer].index_copy_(0, slots, q)
+            scales[layer].index_copy_(0, slots, scale)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at these slots, in the model dtype  # slots [...] -> [..., Hkv, D]"""
+        if not self.int8:
+            return self.k[layer][slots], self.v[layer][slots]
+        return (dequantize_per_token(self.k[layer][slots], self.k_scale[layer][slots], self.dtype),
+                dequantize_per_token(self.v[layer][slots], self.v_scale[layer][slots], self.dtype))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block src to block dst in every layer (a forked sequence's partial last block)."""
+        if not pairs:
+            return
+        bs = self.block_size
+        src = torch.tensor([s * bs + i for s, _ in pairs for i in range(bs)], device=self.k[0].device)
+        dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=self.k[0].device)
+        for store in (self.k, self.v, self.k_scale or [], self.v_scale or []):
+            for t in store:
+                t[dst] = t[src]
+
+
+class HasBlocks(Protocol):
+    token_ids: list[int]      # prompt and output so far
+    block_table: list[int]
+    block_keys: list          # prefix keys of the leading full blocks that are registered
+    num_cached: int           # leading tokens found in the prefix cache at allocation
+
+
+class BlockManager:
+    """Who holds which block: reference counts, the prefix cache (key -> block) and the free blocks, least
+    recently freed first. Owns no tensors: the runner reads and writes the pool by the block tables."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.ref = [0] * num_blocks
+        self.key_of: list = [None] * num_blocks
+        self.cached: dict = {}  # key -> block holding exactly those tokens after exactly that prefix
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.queries = self.hits = 0  # prefix-cache lookups and hits, in tokens
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by a running sequence."""
+        return 1 - len(self.free) / self.num_blocks
+
+    def _key(self, parent, tokens: list[int]):
+        return (hash(parent), tuple(tokens))
+
+    def _take(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        key = self.key_of[block]
+        if key is not None:  # evicted: its contents are about to be overwritten
+            if self.cached.get(key) == block:
+                del self.cached[key]
+            self.key_of[block] = None
+        self.ref[block] = 1
+        return block
+
+    def allocate(self, seq: HasBlocks, reserve: int = 0) -> bool:
+        """Blocks for all of seq's tokens, reusing the longest cached prefix (never the block of the last token,
+        which must be computed to give logits). False, with nothing taken, if fewer than `reserve` blocks would
+        be left free."""
+        bs, tokens = self.block_size, seq.token_ids
+        hits, keys, key = [], [], None
+        if self.prefix_caching:
+            for i in range((len(tokens) - 1) // bs):
+                key = self._key(key, tokens[i * bs : (i + 1) * bs])
+                if (block := self.cached.get(key)) is None:
+                    break
+                hits.append(block)
+                keys.append(key)
+        fresh = cdiv(len(tokens), bs) - len(hits)
+        if fresh + sum(self.ref[b] == 0 for b in hits) + reserve > len(self.free):
+            return False
+        for block in hits:
+            if self.ref[block] == 0:
+                del self.free[block]
+            self.ref[block] += 1
+        seq.block_table = hits + [self._take() for _ in range(fresh)]
+        seq.block_keys, seq.num_cached = keys, len(hits) * bs
+        self.queries += len(tokens)
+        self.hits += seq.num_cached
+        return True
+
+    def append(self, seq: HasBlocks) -> bool:
+        """Room for one more token (the one fed next); False if a block was needed and none is free."""
+        if len(seq.block_table) * self.block_size >= len(seq.token_ids):
+            return True
+        if not self.free:
+            return False
+        seq.block_table.append(self._take())
+        return True
+
+    def commit(self, seq: HasBlocks, num_computed: int) -> None:
+        """Register the full blocks whose keys and values are now computed, so later prompts can reuse them."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_keys), num_computed // bs):
+            key = self._key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids[i * bs : (i + 1) * bs])
+            block = seq.block_table[i]
+            self.cached.setdefault(key, block)  # a twin computed concurrently keeps the first one
+            self.key_of[block] = key
+            seq.block_keys.append(key)
+
+    def fork(self, parent: HasBlocks, child: HasBlocks) -> list[tuple[int, int]] | None:
+        """Give child parent's blocks: full ones shared (ref count up), the partial last one copied. Returns the
+        (src, dst) copies for the pool, or None (nothing taken) if no block is free for the copy."""
+        full = len(parent.token_ids) // self.block_size
+        partial = len(parent.block_table) > full
+        if partial and not self.free:
+            return None
+        for block in parent.block_table[:full]:
+            self.ref[block] += 1
+        child.block_table = parent.block_table[:full]
+        child.block_keys, child.num_cached = list(parent.block_keys[:full]), 0
+        if not partial:
+            return []
+        child.block_table.append(self._take())
+        return [(parent.block_table[full], child.block_table[-1])]
+
+    def release(self, seq: HasBlocks) -> None:
+        """Drop seq's hold on its blocks; unheld ones join the free list, keeping their contents and keys."""
+        for block in reversed(seq.block_table):  # the tail is evicted first: a prefix is only found whole
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free[block] = None
+        seq.block_table, seq.block_keys = [], []

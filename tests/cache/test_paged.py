@@ -1,0 +1,142 @@
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from leanlm.cache.paged import BlockManager, KVPool
+from leanlm.cache.paged_attention import PagedStep
+from leanlm.cache.static import StaticCache
+from leanlm.models.loading import load_model
+from tests.conftest import make_hf_model
+
+
+@dataclass
+class Seq:
+    token_ids: list
+    block_table: list = field(default_factory=list)
+    block_keys: list = field(default_factory=list)
+    num_cached: int = 0
+
+
+def test_prefix_reuse_and_lru_eviction():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = Seq(list(range(10)))  # blocks: [0..3] [4..7] [8, 9]
+    assert bm.allocate(a) and len(a.block_table) == 3 and a.num_cached == 0
+    bm.commit(a, 10)
+    b = Seq(list(range(8)) + [50, 51, 52])  # shares two full blocks
+    assert bm.allocate(b) and b.num_cached == 8 and b.block_table[:2] == a.block_table[:2]
+    assert [bm.ref[x] for x in a.block_table] == [2, 2, 1]
+    bm.release(a)
+    bm.release(b)
+    assert bm.num_free == 6 and all(r == 0 for r in bm.ref)
+    c = Seq(list(range(8)) + [7])  # found again after both were freed
+    assert bm.allocate(c) and c.num_cached == 8
+    # a prompt that is exactly its cached blocks still computes its last block: the last token's logits are needed
+    d = Seq(list(range(8)))
+    assert bm.allocate(d) and d.num_cached == 4
+
+
+def test_eviction_forgets_overwritten_blocks():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    a = Seq([1, 2, 3, 4])
+    assert bm.allocate(a)
+    bm.commit(a, 4)
+    bm.release(a)
+    b = Seq([9, 9, 9, 9])  # takes both blocks back: the old keys must go
+    assert bm.allocate(b) and not bm.cached
+    bm.release(b)
+    c = Seq([1, 2, 3, 4, 5])
+    assert not bm.allocate(c)  # needs 3 blocks; nothing taken
+    assert bm.num_free == 2 and c.block_table == []
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent, child = Seq(list(range(10))), Seq(list(range(10)))
+    assert bm.allocate(parent)
+    copies = bm.fork(parent, child)
+    assert child.block_table[:2] == parent.block_table[:2] and child.block_table[2] != parent.block_table[2]
+    assert copies == [(parent.block_table[2], child.block_table[2])]
+    assert bm.ref[parent.block_table[0]] == 2
+
+
+def test_random_workload_leaks_no_block():
+    """Random arrivals, growth, forks and releases (finish, abort, preemption are all a release): at the end every
+    block is free and the prefix cache only names free blocks whose keys match."""
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=40, block_size=4)
+    live = []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.35:
+            prefix = rng.choice([[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4]])
+            s = Seq(prefix + [rng.randrange(100) for _ in range(rng.randrange(1, 20))])
+            if bm.allocate(s, reserve=rng.randrange(3)):
+                live.append(s)
+        elif op < 0.7 and live:
+            s = rng.choice(live)
+            s.token_ids.append(rng.randrange(100))
+            if bm.append(s):
+                bm.commit(s, len(s.token_ids) - 1)
+            else:  # preempted: everything it held goes back
+                bm.release(s)
+                live.remove(s)
+        elif op < 0.8 and live:
+            parent = rng.choice(live)
+            child = Seq(list(parent.token_ids))
+            if bm.fork(parent, child) is not None:
+                live.append(child)
+        elif live:
+            s = live.pop(rng.randrange(len(live)))
+            bm.release(s)
+        held = sum(len(s.block_table) for s in live)
+        assert sum(bm.ref) == held
+        assert bm.num_free == sum(r == 0 for r in bm.ref)
+    for s in live:
+        bm.release(s)
+    assert bm.num_free == bm.num_blocks and not any(bm.ref)
+    assert all(bm.key_of[b] == k for k, b in bm.cached.items())
+
+
+def test_pool_size_follows_the_budget(tmp_path):
+    make_hf_model("llama", tmp_path)
+    cfg = load_model(tmp_path, torch.float32).config
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert KVPool.bytes_per_block(cfg, 16, torch.float32) == per_block
+    pool = KVPool.from_budget(cfg, 10 * per_block + 5, 16, torch.float32)
+    assert pool.num_blocks == 10 and pool.nbytes == 10 * per_block
+    assert KVPool.from_budget(cfg, 10 * per_block, 16, torch.bfloat16, int8=True).num_blocks > 30
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_paged_logits_equal_static_cache_logits(tmp_path, int8):
+    """Three sequences in one packed step (two decodes, one prefill chunk continuing a cached prefix) against
+    each sequence run alone through the static cache, with scattered, non-contiguous blocks."""
+    make_hf_model("qwen2", tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 21, 30)]
+    pool = KVPool(model.config, 24, 4, torch.float32, int8=int8)
+    tables = [[5, 1, 9], [2, 7, 3, 11, 0, 8], [4, 6, 10, 12, 13, 14, 15, 16]]
+
+    def run(seqs):  # (table, first new position, new tokens)
+        step = PagedStep.build(pool, [t for t, _, _ in seqs], [b for _, b, _ in seqs], [len(x) for _, _, x in seqs])
+        tokens = torch.tensor([sum((x for _, _, x in seqs), [])])
+        positions = torch.tensor([sum((list(range(b, b + len(x))) for _, b, x in seqs), [])])
+        return model(tokens, positions, step)[0]
+
+    # prefill: all but the last token of prompts 0 and 1; prompt 2 only up to 17
+    run([(tables[0], 0, prompts[0][:-1]), (tables[1], 0, prompts[1][:-1]), (tables[2], 0, prompts[2][:17])])
+    logits = run([(tables[0], 8, prompts[0][-1:]), (tables[1], 20, prompts[1][-1:]), (tables[2], 17, prompts[2][17:])])
+    expected = []
+    for p in prompts:
+        cache_cls = StaticCache
+        if int8:
+            from leanlm.compress.quant.kv import Int8KVCache as cache_cls
+        cache = cache_cls(model.config, 1, 32, torch.float32)
+        expected.append(model(torch.tensor([p]), torch.arange(len(p))[None], cache)[0])
+    ours = [logits[0:1], logits[1:2], logits[2:]]
+    theirs = [expected[0][-1:], expected[1][-1:], expected[2][17:]]
+    for a, b in zip(ours, theirs):
+        assert (a - b).abs().max() < 1e-4

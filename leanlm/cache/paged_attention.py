@@ -8,55 +8,58 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from leanlm.cache.paged import KVPool
+from leanlm import kernels
+from leanlm.cache.paged import KVPool, cdiv
 from leanlm.models.layers import decode_attention
 
 
 @dataclass
 class Chunk:
-    """One sequence's share of the step: `length` new tokens at packed rows [start, start + length), ending at
-    position `context - 1`; it attends over `context` tokens stored at `slots`."""
+    """A sequence's prompt chunk: `length` new tokens at packed rows [start, start + length), ending at position
+    `context - 1`; it attends over `context` tokens stored at `slots`, causally (`mask`, None when all are new)."""
     start: int
     length: int
     context: int
     slots: torch.Tensor  # [context]
+    mask: torch.Tensor | None  # [length, context]
 
 
 def slots_of(block_table: list[int], block_size: int, end: int, device=None) -> torch.Tensor:
     """Pool slots of token positions [0, end)  # [end]"""
-    table = torch.tensor(block_table[: -(-end // block_size)], device=device)
+    table = torch.tensor(block_table[: cdiv(end, block_size)], device=device)
     return (table[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:end]
 
 
 class PagedStep:
     """The KVCache the model sees in an engine step (`attend` replaces update + attention).
 
-    Sequences that feed one token (decodes) come first and are attended to in one batched call, their keys
-    gathered into a [B, S] slot table padded to the longest context and masked; each longer chunk (a prefill)
-    runs causal SDPA over its own gathered context."""
+    Sequences that feed one token (decodes) come first and are attended to in one call: leanlm's paged-attention
+    kernel reads their keys and values in place through the block tables (CPU, 16/32-bit pool), or elsewhere a
+    gather into a padded, masked [B, S] batch. Each longer chunk (a prompt) runs causal SDPA over its gathered
+    context: its T queries share one gather."""
 
-    def __init__(self, pool: KVPool, chunks: list[Chunk], device=None):
-        self.pool, self.chunks = pool, chunks
-        self.slot_mapping = torch.cat([c.slots[c.context - c.length :] for c in chunks])  # [N] where new k, v go
-        self.num_single = next((i for i, c in enumerate(chunks) if c.length != 1), len(chunks))
-        singles = chunks[: self.num_single]
-        self.decode_slots = self.decode_mask = None
-        if singles:
-            longest = max(c.context for c in singles)
-            self.decode_slots = torch.stack([F.pad(c.slots, (0, longest - c.context)) for c in singles])  # [B, S]
-            lens = torch.tensor([c.context for c in singles], device=device)
-            self.decode_mask = (torch.arange(longest, device=device)[None] < lens[:, None])[:, None, None]  # [B,1,1,S]
-        self.masks = [None if c.context == c.length else _causal(c.length, c.context, device)
-                      for c in chunks[self.num_single :]]
-
-    @classmethod
-    def build(cls, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int], device=None):
-        """From each sequence's block table, first new position and number of new tokens (single tokens first)."""
-        chunks, row = [], 0
-        for table, begin, n in zip(tables, starts, lengths):
-            chunks.append(Chunk(row, n, begin + n, slots_of(table, pool.block_size, begin + n, device)))
+    def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int], device=None):
+        """Each sequence's block table, first new position and number of new tokens (single tokens first)."""
+        self.pool, bs = pool, pool.block_size
+        self.num_single = ns = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
+        new_slots, self.chunks = [], []
+        if ns:
+            width = max(cdiv(s + 1, bs) for s in starts[:ns])
+            rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables[:ns]]
+            self.tables = torch.tensor(rows, dtype=torch.int32, device=device)  # [B, width]
+            self.lens = torch.tensor([s + 1 for s in starts[:ns]], dtype=torch.int32, device=device)  # [B]
+            new_slots.append(torch.tensor([t[s // bs] * bs + s % bs for t, s in zip(tables, starts[:ns])],
+                                          device=device))
+        row = ns
+        for table, begin, n in zip(tables[ns:], starts[ns:], lengths[ns:]):
+            slots = slots_of(table, bs, begin + n, device)
+            mask = None if begin == 0 else _causal(n, begin + n, device)
+            self.chunks.append(Chunk(row, n, begin + n, slots, mask))
+            new_slots.append(slots[begin:])
             row += n
-        return cls(pool, chunks, device)
+        self.slot_mapping = torch.cat(new_slots)  # [N] where each new token's key and value go
+        on_cpu = pool.k[0].device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
+        self.kernel = kernels.ops() if on_cpu and not pool.int8 else None
 
     def attention_mask(self, T: int):
         return None, False
@@ -67,20 +70,27 @@ class PagedStep:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k, v; attend  # q [N, H, D]; k, v [N, Hkv, D] -> [N, H, D]"""
         self.pool.write(layer, self.slot_mapping, k, v)
-        outs = []
-        if self.decode_slots is not None:
-            keys, values = self.pool.read(layer, self.decode_slots)  # [B, S, Hkv, D]
-            B = self.decode_slots.shape[0]
-            out = decode_attention(q[:B, :, None], keys.transpose(1, 2), values.transpose(1, 2), self.decode_mask)
-            outs.append(out[:, :, 0])
-        for c, mask in zip(self.chunks[self.num_single :], self.masks):
+        outs = [self._decodes(layer, q[: self.num_single])] if self.num_single else []
+        for c in self.chunks:
             keys, values = self.pool.read(layer, c.slots)  # [C, Hkv, D]
             qc = q[c.start : c.start + c.length].transpose(0, 1)[None]  # [1, H, T, D]
             out = F.scaled_dot_product_attention(qc, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                                                 attn_mask=mask, is_causal=mask is None,
+                                                 attn_mask=c.mask, is_causal=c.mask is None,
                                                  enable_gqa=k.shape[1] != q.shape[1])
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _decodes(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D] -> [B, H, D]"""
+        if self.kernel is not None:
+            return self.kernel.paged_attention(q.contiguous(), self.pool.k[layer], self.pool.v[layer], self.tables,
+                                               self.lens, self.pool.block_size)
+        bs = self.pool.block_size
+        slots = (self.tables.long()[:, :, None] * bs + torch.arange(bs, device=q.device)).flatten(1)  # [B, S]
+        mask = torch.arange(slots.shape[1], device=q.device)[None] < self.lens[:, None]
+        keys, values = self.pool.read(layer, slots)  # [B, S, Hkv, D]
+        out = decode_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), mask[:, None, None])
+        return out[:, :, 0]
 
 
 def _causal(T: int, C: int, device) -> torch.Tensor:

@@ -11,6 +11,7 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
     y = ops.int8_gemv_q8(xq, xs, w, scale)  # x = xq [M, K] int8 * xs [M]; scale [N] float32 (W8A8)
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
+    o = ops.paged_attention(q, k, v, tables, lens, block_size)  # decode attention over a paged KV pool (engine)
 """
 
 from __future__ import annotations
@@ -114,3 +115,4 @@ def _register_fakes(name: str) -> None:
     for op in ("int8_gemv", "int4_gemv"):
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
+    torch.library.register_fake(f"{name}::paged_attention", lambda q, *_: torch.empty_like(q))

@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -448,6 +449,87 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+// Paged decode attention: one query token per sequence against its keys and values in the block pool, read in
+// place through its block table (a gathered copy would move as many bytes as attention reads).
+// q [B, H, D]; k, v [slots, Hkv, D] (slot = block * bs + offset); tables [B, max_blocks] int32; lens [B] int32.
+// One work item per (sequence, kv head): its G query heads share each key and value row it reads.
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return float(x); }
+
+template <typename T>
+void paged_attention_impl(const T* q, const T* k, const T* v, const int32_t* tables, const int32_t* lens, T* out,
+                          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t bs) {
+  const int64_t G = H / Hkv;
+  const float scale = 1.f / std::sqrt(float(D));
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> qf(G * D), acc(G * D), row(D), scores, total(G);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv, S = lens[b];
+      const int32_t* table = tables + b * max_blocks;
+      scores.resize(G * S);
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(q[(b * H + h * G) * D + i]) * scale;
+      for (int64_t t = 0; t < S; ++t) {
+        const T* kr = k + ((int64_t(table[t / bs]) * bs + t % bs) * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = to_float(kr[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          float s = 0.f;
+          const float* qg = qf.data() + g * D;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
+          scores[g * S + t] = s;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * S;
+        const float m = *std::max_element(sg, sg + S);
+        float sum = 0.f;
+        for (int64_t t = 0; t < S; ++t) sum += (sg[t] = std::exp(sg[t] - m));
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < S; ++t) {
+        const T* vr = v + ((int64_t(table[t / bs]) * bs + t % bs) * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = to_float(vr[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * S + t];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) out[(b * H + h * G + g) * D + d] = T(acc[g * D + d] / total[g]);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                           const at::Tensor& lens, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
+                  q.size(1) % k.size(1) == 0,
+              "paged_attention wants q [B, H, D] and k, v [slots, Hkv, D] with H a multiple of Hkv");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "paged_attention wants q, k, v all float32 or all bfloat16");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "paged_attention wants contiguous q, k, v");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt && tables.is_contiguous() &&
+                  tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
+              "paged_attention wants int32 tables [B, max_blocks] and lens [B]");
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * block_size, "paged_attention: length ", lp[b],
+                " of sequence ", b, " is not in [1, ", tables.size(1) * block_size, "]");
+  at::Tensor out = at::empty_like(q);
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2);
+  if (q.scalar_type() == at::kFloat)
+    paged_attention_impl(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables.data_ptr<int32_t>(),
+                         lp, out.data_ptr<float>(), B, H, Hkv, D, tables.size(1), block_size);
+  else
+    paged_attention_impl(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), tables.data_ptr<int32_t>(), lp,
+                         out.data_ptr<bf16>(), B, H, Hkv, D, tables.size(1), block_size);
+  return out;
+}
+
 std::string isa() { return LEANLM_ISA; }
 
 }  // namespace
@@ -457,10 +539,12 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
   m.impl("int8_gemv_q8", int8_gemv_q8);
   m.impl("int4_gemv", int4_gemv);
+  m.impl("paged_attention", paged_attention);
 }

@@ -121,7 +121,7 @@ def test_paged_logits_equal_static_cache_logits(tmp_path, int8):
     tables = [[5, 1, 9], [2, 7, 3, 11, 0, 8], [4, 6, 10, 12, 13, 14, 15, 16]]
 
     def run(seqs):  # (table, first new position, new tokens)
-        step = PagedStep.build(pool, [t for t, _, _ in seqs], [b for _, b, _ in seqs], [len(x) for _, _, x in seqs])
+        step = PagedStep(pool, [t for t, _, _ in seqs], [b for _, b, _ in seqs], [len(x) for _, _, x in seqs])
         tokens = torch.tensor([sum((x for _, _, x in seqs), [])])
         positions = torch.tensor([sum((list(range(b, b + len(x))) for _, b, x in seqs), [])])
         return model(tokens, positions, step)[0]

@@ -48,6 +48,29 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def parse_memory(size: str | int | float, device: torch.device) -> int:
+    """Bytes from "2GiB", "512MB", a byte count, or a fraction in (0, 1) of the memory free on `device` now."""
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    value = -1.0
+    if isinstance(size, str):
+        text = size.strip().lower()
+        number = text.rstrip("kmgib")
+        try:
+            value = float(number) * units.get(text[len(number):] or "b", -1)
+        except ValueError:
+            pass
+    elif isinstance(size, (int, float)) and not isinstance(size, bool):
+        value = float(size)
+    if 0 < value < 1:
+        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return int(value * free)
+    if value < 1:
+        raise LeanLMError(f"memory size {size!r}: give bytes with a unit (e.g. 2GiB, 512MiB) or a fraction of free "
+                          "memory such as 0.3")
+    return int(value)
+
+
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

@@ -26,7 +26,7 @@ def eos_ids(model: Transformer, tokenizer: Tokenizer) -> set[int]:
     return ids
 
 
-class _Row:
+class Detokenizer:
     """One sequence's generated text; emits only text that can no longer become a stop string."""
 
     def __init__(self, prompt_ids: list[int], stops: tuple[str, ...], eos: set[int]):
@@ -37,23 +37,23 @@ class _Row:
         if token in self.eos:  # kept in the token ids, never in the text
             self.ids.append(token)
             self.finish_reason = "stop"
-            return self._flush(len(self.text))
+            return self.flush(len(self.text))
         self.ids.append(token)
         self.text = tokenizer.decode(self.ids)
         for stop in self.stops:
             at = self.text.find(stop, max(0, self.emitted - len(stop)))
             if at >= 0:
                 self.text, self.finish_reason = self.text[:at], "stop"
-                return self._flush(at)
+                return self.flush(at)
         safe = len(self.text.rstrip("\ufffd"))  # an incomplete UTF-8 character waits for its next token
         for stop in self.stops:
             for n in range(min(len(stop) - 1, safe), 0, -1):
                 if self.text[:safe].endswith(stop[:n]):
                     safe -= n
                     break
-        return self._flush(safe)
+        return self.flush(safe)
 
-    def _flush(self, upto: int) -> str:
+    def flush(self, upto: int) -> str:
         delta = self.text[self.emitted : max(upto, self.emitted)]
         self.emitted = max(upto, self.emitted)
         return delta
@@ -64,7 +64,7 @@ def stream_rows(model: Transformer, tokenizer: Tokenizer, prompts: list, params:
     """Yield (row, new text) as it is generated, then the list of finished Completions."""
     prompt_ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
-    rows = [_Row(ids, params.stop, eos) for ids in prompt_ids]
+    rows = [Detokenizer(ids, params.stop, eos) for ids in prompt_ids]
     for step in generate_ids(model, prompt_ids, params, eos, compiled, cache_cls):
         for i, (row, token) in enumerate(zip(rows, step)):
             if row.finish_reason is None:
@@ -76,7 +76,7 @@ def stream_rows(model: Transformer, tokenizer: Tokenizer, prompts: list, params:
     for i, row in enumerate(rows):
         if row.finish_reason is None:
             row.finish_reason = "length"
-            if delta := row._flush(len(row.text)):
+            if delta := row.flush(len(row.text)):
                 yield i, delta
     yield [Completion(r.prompt_ids, r.ids, r.text, r.finish_reason) for r in rows]
 
@@ -104,12 +104,12 @@ def stream_speculative(model: Transformer, tokenizer: Tokenizer, prompt, params:
 
     ids = encode_prompt(tokenizer, prompt, chat)
     eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
-    row = _Row(ids, params.stop, eos)
+    row = Detokenizer(ids, params.stop, eos)
     for tokens in speculative_generate(model, ids, params, proposer, k, eos, stats):
         for token in tokens:
             if row.finish_reason is None and (delta := row.add(token, tokenizer)):
                 yield delta
         if row.finish_reason:
             return
-    if delta := row._flush(len(row.text)):
+    if delta := row.flush(len(row.text)):
         yield delta

@@ -1,0 +1,151 @@
+"""Engine: requests in, tokens out, many requests sharing each forward. A step is schedule -> run -> postprocess
+(sample, append, detokenize, finish), over a paged KV cache that prompts with a common prefix share."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from leanlm.cache.paged import BlockManager, KVPool, cdiv
+from leanlm.engine.runner import Runner
+from leanlm.engine.scheduler import Scheduler
+from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
+from leanlm.errors import LeanLMError
+from leanlm.generation.decode import check_fits
+from leanlm.generation.sampling import SamplingParams, sample_rows
+from leanlm.generation.text import Detokenizer, encode_prompt, eos_ids
+from leanlm.models.transformer import Transformer
+from leanlm.tokenizer import Tokenizer
+
+
+class Engine:
+    """Not thread-safe: one thread adds, aborts and steps (engine.llm.AsyncLLM runs it on its own thread)."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, kv_cache_memory: int = 1 << 30,
+                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 1024,
+                 prefix_caching: bool = True, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in ("auto", "int8"):
+            raise LeanLMError(f"kv_cache_dtype must be auto (the model dtype) or int8, got {kv_cache_dtype!r}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise LeanLMError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.model, self.tokenizer = model, tokenizer
+        self.pool = KVPool.from_budget(model.config, kv_cache_memory, block_size, model.dtype, model.device,
+                                       int8=kv_cache_dtype == "int8")
+        self.blocks = BlockManager(self.pool.num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.runner = Runner(model, self.pool)
+        self.eos = eos_ids(model, tokenizer)
+        self.requests: dict[str, list[Sequence]] = {}
+
+    def make_request(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
+                     chat: bool = False) -> list[Sequence]:
+        """Tokenize and check a request (any thread; raises LeanLMError on bad input, changing nothing)."""
+        if isinstance(prompt, str) or chat:
+            ids = encode_prompt(self.tokenizer, prompt, chat)
+        else:
+            ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            for t in ids:
+                if not isinstance(t, int) or not 0 <= t < vocab:
+                    raise LeanLMError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
+        max_tokens = check_fits(self.model, len(ids), params.max_tokens)
+        need = cdiv(len(ids) + max_tokens, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise LeanLMError(f"a request of {len(ids)} prompt + {max_tokens} new tokens needs {need} KV blocks; the "
+                              f"KV cache holds {self.blocks.num_blocks}: give it more memory or ask for fewer tokens")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
+        seqs = [Sequence(request_id, i, ids, params, Detokenizer(ids, params.stop, stop_ids)) for i in range(params.n)]
+        for seq in seqs:
+            seq.max_tokens, seq.stop_ids = max_tokens, stop_ids
+        seqs[0].children = seqs[1:]
+        return seqs
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue a request made by make_request."""
+        request_id = seqs[0].request_id
+        if request_id in self.requests:
+            raise LeanLMError(f"request id {request_id!r} is already running")
+        self.requests[request_id] = seqs
+        self.scheduler.add(seqs[0])
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams, chat: bool = False) -> list[Sequence]:
+        seqs = self.make_request(request_id, prompt, params, chat)
+        self.add(seqs)
+        return seqs
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks (unknown or finished ids are ignored)."""
+        for seq in self.requests.pop(request_id, []):
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Delta]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampling, logits = self.runner.run(batch)
+        for seq, n in batch:
+            seq.num_computed += n
+            self.blocks.commit(seq, seq.num_computed)
+        if not sampling:  # only prompt chunks that have more to come
+            return []
+        seqs, rows = self._fork(sampling)
+        params = [s.params for s in seqs]
+        histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in seqs]
+        tokens, logprobs = sample_rows(logits[rows] if len(rows) != len(sampling) else logits, params,
+                                       [s.generator for s in seqs], histories, [s.banned(s.stop_ids) for s in seqs])
+        now = time.perf_counter()
+        return [self._append(seq, token, lp, now) for seq, token, lp in zip(seqs, tokens, logprobs)]
+
+    def _fork(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """A request's other completions join once its prompt is computed, sharing its blocks and first logits."""
+        seqs, rows, copies = [], [], []
+        for row, seq in enumerate(sampling):
+            seqs.append(seq)
+            rows.append(row)
+            for child in seq.children:
+                pairs = self.blocks.fork(seq, child)
+                if pairs is None:  # no block for the copy: it computes its prompt itself (prefix cache helps)
+                    self.scheduler.add(child)
+                    continue
+                copies += pairs
+                child.num_computed = seq.num_computed
+                self.scheduler.running.append(child)
+                seqs.append(child)
+                rows.append(row)
+            seq.children = []
+        self.pool.copy_blocks(copies)
+        return seqs, rows
+
+    def _append(self, seq: Sequence, token: int, logprobs, now: float) -> Delta:
+        seq.token_ids.append(token)
+        seq.first_token_time = seq.first_token_time or now
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        text = seq.detokenizer.add(token, self.tokenizer)
+        seq.finish_reason = seq.detokenizer.finish_reason
+        if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
+            seq.finish_reason = "length"
+            text += seq.detokenizer.flush(len(seq.detokenizer.text))
+        if seq.finished:
+            self.scheduler.finish(seq)
+            if all(s.finished for s in self.requests.get(seq.request_id, [])):
+                del self.requests[seq.request_id]
+        return Delta(seq.request_id, seq.index, text, [token], seq.finish_reason,
+                     [logprobs] if logprobs is not None else None)
+
+
+def request_output(seqs: list[Sequence]) -> RequestOutput:
+    """A request's completions as they stand."""
+    first = seqs[0]
+    outputs = [CompletionOutput(s.index, s.detokenizer.text, s.output_ids, s.finish_reason,
+                                s.logprobs if s.params.logprobs is not None else None) for s in seqs]
+    ttft = first.first_token_time - first.arrival if first.first_token_time else None
+    return RequestOutput(first.request_id, first.prompt_ids, outputs, all(s.finished for s in seqs),
+                         first.num_cached, {"ttft": ttft})

@@ -1,0 +1,178 @@
+"""LLM: the engine facade. `generate` runs many prompts at once (highest throughput); `AsyncLLM` streams each
+request's output from an engine stepping on its own thread, so callers (an HTTP server) never stall a step."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from leanlm.engine.engine import Engine, request_output
+from leanlm.engine.sequence import Delta, RequestOutput
+from leanlm.errors import LeanLMError
+from leanlm.generation.sampling import SamplingParams
+from leanlm.runtime import cpu_count, parse_memory, set_threads
+
+
+def _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options) -> Engine:
+    if isinstance(model, (str, Path)):
+        from leanlm.api import load
+
+        model, tokenizer = load(model, dtype, device)
+    elif tokenizer is None:
+        raise LeanLMError("LLM(model) with a model object needs its tokenizer too: LLM(model, tokenizer)")
+    if model.device.type == "cpu":  # batches are compute-bound: every core helps (override with threads=)
+        set_threads(threads or cpu_count())
+    return Engine(model, tokenizer, parse_memory(kv_cache_memory, model.device), **engine_options)
+
+
+class LLM:
+    """leanlm.LLM("smollm2-135m").generate(prompts, SamplingParams(...)) -> one RequestOutput per prompt.
+
+    Engine options: kv_cache_memory ("1GiB", bytes, or a fraction of free memory such as 0.2), block_size,
+    max_num_seqs, max_num_batched_tokens, prefix_caching, kv_cache_dtype ("auto" or "int8")."""
+
+    def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
+                 kv_cache_memory: str | int | float = "1GiB", **engine_options):
+        self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options)
+        self._ids = itertools.count()
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
+                 progress: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (text, token ids, or chat messages with chat=True); outputs in prompt order.
+        Every request is checked before any runs: one bad prompt raises LeanLMError and nothing is queued."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise LeanLMError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        requests = [self.engine.make_request(f"gen-{next(self._ids)}", p, sp, chat) for p, sp in zip(prompts, params)]
+        for seqs in requests:
+            self.engine.add(seqs)
+        total = sum(s.max_tokens for seqs in requests for s in seqs)
+        with _progress(progress, total) as advance:
+            while self.engine.has_work:
+                advance(len(self.engine.step()))
+        return [request_output(seqs) for seqs in requests]
+
+
+class _progress:
+    """A rich progress bar of generated tokens on stderr (a no-op when off)."""
+
+    def __init__(self, on: bool, total: int):
+        self.on, self.total = on, total
+
+    def __enter__(self):
+        if not self.on:
+            return lambda n: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                            TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        task = self.bar.add_task("generate", total=self.total)
+        self.bar.start()
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.bar.stop()
+
+
+class AsyncLLM:
+    """Streaming interface: `async for delta in llm.stream(prompt, params)`; `abort(request_id)` from anywhere.
+
+    Requests are tokenized and checked on the caller's thread; the engine thread steps whenever there is work
+    and hands each Delta to the asyncio loop of the request's caller."""
+
+    def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
+                 kv_cache_memory: str | int | float = "1GiB", **engine_options):
+        self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options)
+        self._ids = itertools.count()
+        self._inbox: list = []  # ("add", seqs) / ("abort", id), applied by the engine thread between steps
+        self._wake = threading.Condition()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="leanlm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    chat: bool = False) -> tuple[str, asyncio.Queue]:
+        """Queue a request from a running event loop; (request id, queue of its Deltas, None after the last)."""
+        if self.error is not None or self._stopped:
+            raise LeanLMError(f"the engine is not running ({self.error or 'shut down'})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        seqs = self.engine.make_request(request_id, prompt, params, chat)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._sinks[request_id] = asyncio.get_running_loop(), queue
+        self._post(("add", seqs))
+        return request_id, queue
+
+    async def stream(self, prompt, params: SamplingParams, request_id: str | None = None,
+                     chat: bool = False) -> AsyncIterator[Delta]:
+        """Deltas of one request until each of its completions finished; aborted if the consumer stops early."""
+        request_id, queue = self.add_request(prompt, params, request_id, chat)
+        done = 0
+        try:
+            while done < params.n:
+                delta = await queue.get()
+                if isinstance(delta, LeanLMError):
+                    raise delta
+                if isinstance(delta, BaseException):
+                    raise LeanLMError(f"the engine stopped: {delta}")
+                done += delta.finish_reason is not None
+                yield delta
+        finally:
+            if done < params.n:
+                self.abort(request_id)
+            self._sinks.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _post(self, item) -> None:
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _send(self, request_id: str, item) -> None:
+        if sink := self._sinks.get(request_id):
+            sink[0].call_soon_threadsafe(sink[1].put_nowait, item)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not (self._inbox or self.engine.has_work or self._stopped):
+                        self._wake.wait()
+                    if self._stopped:
+                        return
+                    inbox, self._inbox = self._inbox, []
+                for kind, item in inbox:
+                    if kind == "abort":
+                        self.engine.abort(item)
+                        continue
+                    try:
+                        self.engine.add(item)
+                    except LeanLMError as e:  # a duplicate id: that request fails, the others go on
+                        self._send(item[0].request_id, e)
+                for delta in self.engine.step():
+                    self._send(delta.request_id, delta)
+        except BaseException as e:  # every waiting stream learns why instead of hanging
+            self.error = e
+            for loop, queue in list(self._sinks.values()):
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            raise

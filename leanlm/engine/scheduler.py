@@ -1,0 +1,73 @@
+"""Scheduler: who runs in the next step. Every running sequence decodes one token; the rest of the token budget
+goes to prompt chunks, so a long prompt never stalls the others (Orca's iteration-level scheduling, Sarathi's
+chunked prefill). When blocks run out, the newest sequence is preempted and later computed again."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from leanlm.cache.paged import BlockManager
+from leanlm.engine.sequence import Sequence
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 1024):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # a newly admitted prompt leaves this many blocks free for the running sequences to grow into
+        self.watermark = max(1, blocks.num_blocks // 100)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to feed) for the next step: decodes (one token each) first, then prompt chunks."""
+        batch, budget = [], self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.remaining != 1 or seq not in self.running:  # prefilling, or preempted in this loop
+                continue
+            while not self.blocks.append(seq):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.append((seq, 1))
+                budget -= 1
+        for seq in self.running:  # prompts admitted in earlier steps continue
+            if seq.remaining > 1 and budget > 0:
+                batch.append((seq, min(seq.remaining, budget)))
+                budget -= batch[-1][1]
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.allocate(seq, reserve=self.watermark if self.running else 0):
+                break
+            self.waiting.popleft()
+            seq.num_computed = seq.num_cached
+            self.running.append(seq)
+            batch.append((seq, min(seq.remaining, budget)))
+            budget -= batch[-1][1]
+        return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free its blocks; it waits at the front to be computed again (prompt and output so far)."""
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence, wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)

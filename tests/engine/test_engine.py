@@ -1,0 +1,154 @@
+import random
+
+import pytest
+import torch
+
+from leanlm.cache.paged import KVPool
+from leanlm.engine import LLM, Engine
+from leanlm.errors import LeanLMError
+from leanlm.generation.decode import generate_ids
+from leanlm.generation.sampling import SamplingParams
+from leanlm.generation.text import generate
+from leanlm.models.loading import load_model
+from leanlm.tokenizer import Tokenizer
+from tests.conftest import make_hf_model, make_tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_hf_model("llama", path, max_position_embeddings=512)
+    make_tokenizer(path)
+    return load_model(path, torch.float32), Tokenizer(path)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of mixed lengths (3 to 70), several sharing a 40-token prefix."""
+    rng = random.Random(seed)
+    common = [rng.randrange(3, 120) for _ in range(40)]
+    out = []
+    for i in range(n):
+        tail = [rng.randrange(3, 120) for _ in range(rng.randrange(3, 31))]
+        out.append(common + tail if i % 3 == 0 else tail + common[: rng.randrange(0, 40)])
+    return out
+
+
+def blocks_for(model, n: int, block_size: int = 4) -> int:
+    return n * KVPool.bytes_per_block(model.config, block_size, model.dtype)
+
+
+def one_by_one(model, ps, params=GREEDY):
+    """Each prompt alone through the static-cache generation loop."""
+    return [[step[0] for step in generate_ids(model, [p], params)] for p in ps]
+
+
+@pytest.mark.parametrize("options,preempts", [
+    (dict(kv_cache_memory=1 << 26), False),  # everything fits: pure continuous batching
+    (dict(block_size=4, max_num_batched_tokens=16), False),  # prompts split into chunks of a 16-token budget
+    (dict(block_size=4, blocks=48), True),  # so few blocks that sequences are preempted and computed again
+    (dict(block_size=4, blocks=48, prefix_caching=False), True),
+])
+def test_concurrent_and_staggered_requests_equal_one_by_one(tiny, options, preempts):
+    model, tok = tiny
+    options = dict(options)
+    if "blocks" in options:
+        options["kv_cache_memory"] = blocks_for(model, options.pop("blocks"))
+    engine = Engine(model, tok, **options)
+    ps = prompts(18)
+    expected = one_by_one(model, ps)
+    seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps[:10])]
+    later = iter(enumerate(ps[10:], start=10))
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps % 3 == 0 and (nxt := next(later, None)):  # the rest arrive while the first ones run
+            seqs.append(engine.add_request(str(nxt[0]), nxt[1], GREEDY)[0])
+    assert [s.output_ids for s in seqs] == expected
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # every block free (or held only by the cache)
+    assert (engine.scheduler.num_preemptions > 0) == preempts
+
+
+def test_prefix_cache_skips_the_shared_prompt(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24)
+    first = prompts(1)[0]
+    (a,) = engine.add_request("a", first, GREEDY)
+    while engine.has_work:
+        engine.step()
+    (b,) = engine.add_request("b", first[:40] + [7, 8, 9], GREEDY)
+    engine.step()
+    assert b.num_cached == 40
+    assert engine.blocks.hits == 40
+
+
+def test_n_completions_share_the_prompt_blocks(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, prefix_caching=False)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=5, ignore_eos=True)
+    seqs = engine.add_request("r", list(range(3, 33)), params)  # 30 tokens: 7 full blocks and a partial one
+    engine.step()
+    assert all(s.block_table[:7] == seqs[0].block_table[:7] for s in seqs)
+    assert len({s.block_table[7] for s in seqs}) == 3
+    assert engine.blocks.ref[seqs[0].block_table[0]] == 3
+    while engine.has_work:
+        engine.step()
+    assert len({tuple(s.output_ids) for s in seqs}) > 1  # each completion samples on its own
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_abort_anywhere_frees_everything(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=blocks_for(model, 60), max_num_batched_tokens=24)
+    rng = random.Random(1)
+    live = []
+    for step in range(60):
+        if rng.random() < 0.5:
+            live.append(engine.add_request(f"r{step}", prompts(1, seed=step)[0], GREEDY)[0].request_id)
+        if live and rng.random() < 0.3:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        engine.step()
+    for rid in live:
+        engine.abort(rid)
+    assert not engine.has_work
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([], GREEDY, "empty prompt"),
+    ([5] * 600, GREEDY, "context window"),
+    ([3, 4, 999], GREEDY, "token id 999"),
+    ("hello", dict(max_tokens=0), "max_tokens"),
+    ("hello", dict(top_p=2.0), "top_p"),
+    ("hello", dict(temperature=-1), "temperature"),
+])
+def test_bad_requests_are_refused_and_others_go_on(tiny, prompt, params, message):
+    model, tok = tiny
+    engine = Engine(model, tok, kv_cache_memory=1 << 24)
+    (good,) = engine.add_request("good", [5, 6, 7], GREEDY)
+    with pytest.raises(LeanLMError, match=message):
+        engine.add_request("bad", prompt, params if isinstance(params, SamplingParams) else SamplingParams(**params))
+    while engine.has_work:
+        engine.step()
+    assert len(good.output_ids) == GREEDY.max_tokens
+
+
+def test_llm_generate_text_stop_and_logprobs(tiny):
+    model, tok = tiny
+    llm = LLM(model, tok, kv_cache_memory=1 << 24)
+    texts = ["the quick brown fox", "hello world", "def f(x):"]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+    outs = llm.generate(texts, params, progress=False)
+    ref = generate(model, tok, texts, SamplingParams(temperature=0, max_tokens=10))
+    for out, r in zip(outs, ref):
+        assert out.outputs[0].token_ids == r.tokens and out.outputs[0].text == r.text
+        lp = out.outputs[0].logprobs
+        assert len(lp) == len(r.tokens) and all(x.logprob <= 0 and len(x.top) == 2 for x in lp)
+    stop = ref[0].text[4:7]
+    (out,) = llm.generate(texts[:1], SamplingParams(temperature=0, max_tokens=10, stop=stop), progress=False)
+    assert out.outputs[0].text == ref[0].text[: ref[0].text.index(stop)] and out.outputs[0].finish_reason == "stop"
+    with pytest.raises(LeanLMError):  # one bad prompt: nothing queued
+        llm.generate(["fine", []], params, progress=False)
+    assert not llm.engine.has_work

@@ -1,4 +1,6 @@
+import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -152,3 +154,41 @@ def test_llm_generate_text_stop_and_logprobs(tiny):
     with pytest.raises(LeanLMError):  # one bad prompt: nothing queued
         llm.generate(["fine", []], params, progress=False)
     assert not llm.engine.has_work
+
+
+def test_async_streams_equal_one_by_one_and_abort_frees_blocks(tiny):
+    from leanlm.engine import AsyncLLM
+
+    model, tok = tiny
+    llm = AsyncLLM(model, tok, block_size=4, kv_cache_memory=1 << 24)
+    ps = prompts(8, seed=3)
+    expected = one_by_one(model, ps)
+
+    async def collect(p):
+        ids = []
+        async for delta in llm.stream(p, GREEDY):
+            ids += delta.token_ids
+        return ids
+
+    async def abandon(p):  # a consumer that walks away after two tokens
+        seen = 0
+        async for _ in llm.stream(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)):
+            seen += 1
+            if seen == 2:
+                break
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in ps), abandon(ps[0]), abandon(ps[1]))
+
+    try:
+        results = asyncio.run(main())
+        assert results[: len(ps)] == expected
+        for _ in range(100):  # the aborts reach the engine thread between steps
+            if not llm.engine.has_work:
+                break
+            time.sleep(0.01)
+        assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks and not llm.engine.requests
+        with pytest.raises(LeanLMError, match="empty prompt"):
+            asyncio.run(collect([]))
+    finally:
+        llm.shutdown()

@@ -59,7 +59,12 @@ def pull(name: Annotated[Optional[str], typer.Argument(help="zoo model name")] =
 @app.command()
 def generate(
     model: Model,
-    prompt: Annotated[list[str], typer.Argument(help="one or more prompts (several run as one batch)")],
+    prompt: Annotated[Optional[list[str]], typer.Argument(help="one or more prompts (several run as one batch)")] = None,
+    file: Annotated[Optional[Path], typer.Option(help="JSONL of prompts ({\"prompt\": ...} or {\"messages\": [...]}, "
+                                                  "optional sampling fields per line) run through the serving engine; "
+                                                  "prints one JSON line per prompt")] = None,
+    kv_cache_memory: Annotated[str, typer.Option(help="with --file: KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "1GiB",
+    max_num_seqs: Annotated[int, typer.Option(help="with --file: most sequences decoded together")] = 256,
     max_tokens: Annotated[int, typer.Option(help="most new tokens per prompt")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy (the default)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling mass, (0, 1]")] = 1.0,
@@ -85,6 +90,11 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                             stop=tuple(stop or ()), seed=seed)
+    if (file is None) == (not prompt):
+        _fail("give PROMPT arguments or --file PROMPTS.jsonl (one of them)")
+    if file is not None:
+        _generate_file(model, file, params, chat, kv_cache_memory, max_num_seqs, dtype, device, threads)
+        return
     net, tok, threads = _load(model, dtype, device, threads)
     if (draft or prompt_lookup) and num_speculative != 0:
         if len(prompt) > 1:
@@ -104,6 +114,17 @@ def generate(
     for i, c in enumerate(gen(net, tok, prompt, params, chat, compiled, cache_cls)):
         out.rule(f"prompt {i + 1}: {prompt[i][:60]!r}")
         out.print(c.text, highlight=False, markup=False)
+
+
+def _generate_file(model, file, params, chat, kv_cache_memory, max_num_seqs, dtype, device, threads) -> None:
+    from leanlm.engine import LLM
+    from leanlm.engine.jsonl import read_requests, result_line
+
+    prompts, per_line = read_requests(file, params)
+    llm = LLM(model, dtype=dtype, device=device, threads=threads, kv_cache_memory=kv_cache_memory,
+              max_num_seqs=max_num_seqs)
+    for i, output in enumerate(llm.generate(prompts, per_line, chat=chat)):
+        print(result_line(i, output))
 
 
 def _print_stream(pieces) -> None:

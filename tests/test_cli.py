@@ -31,6 +31,24 @@ def test_generate_eval_bench_info_on_a_directory(tiny_dir, tmp_path_factory):
     assert r.returncode == 0 and "KV cache" in r.stdout
 
 
+def test_generate_file_runs_prompts_through_the_engine(tiny_dir, tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    lines = [{"prompt": "hello world", "max_tokens": 4, "ignore_eos": True},
+             {"messages": [{"role": "user", "content": "the quick"}], "n": 2, "temperature": 1.0, "seed": 1},
+             {"prompt": "def f(x):"}]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    r = leanlm("generate", tiny_dir, "--file", prompts, "--max-tokens", "6", "--threads", "1", "--dtype", "float32",
+               "--kv-cache-memory", "16MiB")
+    assert r.returncode == 0, r.stderr
+    results = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["index"] for x in results] == [0, 1, 2]
+    assert results[0]["completions"][0]["tokens"] == 4 and len(results[1]["completions"]) == 2
+    assert all(1 <= c["tokens"] <= 6 for x in results[1:] for c in x["completions"])
+    prompts.write_text('{"prompt": "hi"}\n{"prompt": "x", "top_q": 1}\n')
+    r = leanlm("generate", tiny_dir, "--file", prompts)
+    assert r.returncode == 2 and "line 2: unknown field(s) top_q" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["generate", "no-such-model", "hi"], "smollm2-135m"),
     (["generate", "/no/such/dir", "hi"], "does not exist"),

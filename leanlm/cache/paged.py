@@ -33,13 +33,15 @@ class KVPool:
         if num_blocks < 1:
             raise LeanLMError(f"the KV cache budget holds no block of {block_size} tokens; give it more memory")
         self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
+        # empty, not zeros: the OS commits pages as blocks are first written (zeroing 4 GiB took 11 s), and
+        # attention reads only slots that were written (paged_attention.PagedStep)
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         store = torch.int8 if int8 else dtype
-        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
+        self.k = [torch.empty(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.empty(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
         scale = (shape[0], shape[1], 1)
-        self.k_scale = [torch.zeros(scale, device=device) for _ in range(cfg.num_layers)] if int8 else None
-        self.v_scale = [torch.zeros(scale, device=device) for _ in range(cfg.num_layers)] if int8 else None
+        self.k_scale = [torch.empty(scale, device=device) for _ in range(cfg.num_layers)] if int8 else None
+        self.v_scale = [torch.empty(scale, device=device) for _ in range(cfg.num_layers)] if int8 else None
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool = False) -> int:

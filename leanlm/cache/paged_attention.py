@@ -85,9 +85,12 @@ class PagedStep:
         if self.kernel is not None:
             return self.kernel.paged_attention(q.contiguous(), self.pool.k[layer], self.pool.v[layer], self.tables,
                                                self.lens, self.pool.block_size)
-        bs = self.pool.block_size
-        slots = (self.tables.long()[:, :, None] * bs + torch.arange(bs, device=q.device)).flatten(1)  # [B, S]
-        mask = torch.arange(slots.shape[1], device=q.device)[None] < self.lens[:, None]
+        bs, (B, width) = self.pool.block_size, self.tables.shape
+        position = torch.arange(width * bs, device=q.device)[None]  # [1, S]
+        mask = position < self.lens[:, None]
+        # past its length a row reads its last token again (masked out): every slot read was written
+        position = torch.minimum(position, self.lens[:, None] - 1).long()
+        slots = self.tables.long().gather(1, position // bs) * bs + position % bs  # [B, S]
         keys, values = self.pool.read(layer, slots)  # [B, S, Hkv, D]
         out = decode_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), mask[:, None, None])
         return out[:, :, 0]

@@ -40,7 +40,9 @@ class Engine:
 
     def make_request(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
                      chat: bool = False) -> list[Sequence]:
-        """Tokenize and check a request (any thread; raises LeanLMError on bad input, changing nothing)."""
+        """Tokenize and check a request (any thread; raises LeanLMError on bad input, changing nothing). The prompt:
+        text (in the chat template with chat=True), token ids, or chat messages ([{"role", "content"}, ...])."""
+        chat = chat or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict))
         if isinstance(prompt, str) or chat:
             ids = encode_prompt(self.tokenizer, prompt, chat)
         else:

@@ -1,0 +1,52 @@
+"""Prompt files for `leanlm generate --file`: one JSON object per line, results written the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from leanlm.errors import LeanLMError
+from leanlm.generation.sampling import SamplingParams
+
+FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def read_requests(path: Path, defaults: SamplingParams) -> tuple[list, list[SamplingParams]]:
+    """Each line: {"prompt": "..."} or {"messages": [...]} (a chat), plus any SamplingParams field to override
+    the defaults for that line (e.g. "max_tokens": 32). Returns (prompts, params); errors name the line."""
+    prompts, params = [], []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise LeanLMError(f"{path}: cannot read the prompt file ({e.strerror})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LeanLMError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+            raise LeanLMError(f"{where}: give an object with either \"prompt\" (text) or \"messages\" (a chat)")
+        unknown = set(item) - FIELDS - {"prompt", "messages"}
+        if unknown:
+            raise LeanLMError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
+                              f"sampling fields are {', '.join(sorted(FIELDS))}")
+        overrides = {k: v for k, v in item.items() if k in FIELDS}
+        try:
+            params.append(dataclasses.replace(defaults, **overrides) if overrides else defaults)
+        except (LeanLMError, TypeError) as e:
+            raise LeanLMError(f"{where}: {e}") from None
+        prompts.append(item.get("prompt", item.get("messages")))
+    if not prompts:
+        raise LeanLMError(f"{path}: no prompts (one JSON object per line)")
+    return prompts, params
+
+
+def result_line(index: int, output) -> str:
+    """One engine.RequestOutput as a JSON line: its completions' texts, finish reasons and token counts."""
+    completions = [{"text": c.text, "finish_reason": c.finish_reason, "tokens": len(c.token_ids)}
+                   for c in output.outputs]
+    return json.dumps({"index": index, "prompt_tokens": len(output.prompt_token_ids), "completions": completions})

@@ -30,8 +30,8 @@ class KVPool:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device=None,
                  int8: bool = False):
-        if num_blocks < 1:
-            raise LeanLMError(f"the KV cache budget holds no block of {block_size} tokens; give it more memory")
+        if num_blocks < 2:
+            raise LeanLMError(f"the KV cache budget holds {num_blocks} blocks of {block_size} tokens; give it more memory")
         self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
         # empty, not zeros: the OS commits pages as blocks are first written (zeroing 4 GiB took 11 s), and
         # attention reads only slots that were written (paged_attention.PagedStep)

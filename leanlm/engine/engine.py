@@ -8,6 +8,7 @@ import time
 import torch
 
 from leanlm.cache.paged import BlockManager, KVPool, cdiv
+from leanlm.engine.compiled import CompiledPagedDecoder
 from leanlm.engine.runner import Runner
 from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
@@ -24,7 +25,7 @@ class Engine:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, kv_cache_memory: int = 1 << 30,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 1024,
-                 prefix_caching: bool = True, kv_cache_dtype: str = "auto"):
+                 prefix_caching: bool = True, kv_cache_dtype: str = "auto", compile: bool = False):
         if kv_cache_dtype not in ("auto", "int8"):
             raise LeanLMError(f"kv_cache_dtype must be auto (the model dtype) or int8, got {kv_cache_dtype!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -32,9 +33,13 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.pool = KVPool.from_budget(model.config, kv_cache_memory, block_size, model.dtype, model.device,
                                        int8=kv_cache_dtype == "int8")
-        self.blocks = BlockManager(self.pool.num_blocks, block_size, prefix_caching)
+        # the pool's last block belongs to no sequence: padded rows of a compiled step write there
+        self.blocks = BlockManager(self.pool.num_blocks - 1, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self.runner = Runner(model, self.pool)
+        compiled = None
+        if compile and CompiledPagedDecoder.supports(model, self.pool):
+            compiled = CompiledPagedDecoder(model, self.pool, scratch=self.pool.num_blocks - 1)
+        self.runner = Runner(model, self.pool, compiled)
         self.eos = eos_ids(model, tokenizer)
         self.requests: dict[str, list[Sequence]] = {}
 

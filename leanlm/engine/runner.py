@@ -7,18 +7,25 @@ import torch
 
 from leanlm.cache.paged import KVPool
 from leanlm.cache.paged_attention import PagedStep
+from leanlm.engine.compiled import BUCKETS
 from leanlm.engine.sequence import Sequence
 from leanlm.models.transformer import Transformer
 
 
 class Runner:
-    def __init__(self, model: Transformer, pool: KVPool):
-        self.model, self.pool = model, pool
+    """`compiled`: an engine.compiled.CompiledPagedDecoder for steps of decodes only (None: always eager)."""
+
+    def __init__(self, model: Transformer, pool: KVPool, compiled=None):
+        self.model, self.pool, self.compiled = model, pool, compiled
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """Feed each sequence its next n tokens; (the sequences that reach their last token, their logits [R, V])."""
         dev = self.model.device
+        if self.compiled is not None and len(batch) <= BUCKETS[-1] and all(n == 1 for _, n in batch):
+            seqs = [s for s, _ in batch]
+            return seqs, self.compiled.run([s.block_table for s in seqs], [s.num_computed for s in seqs],
+                                           [s.token_ids[-1] for s in seqs])
         tokens, positions, rows, sampling = [], [], [], []
         for seq, n in batch:
             begin = seq.num_computed

@@ -68,16 +68,14 @@ def _step(model: Transformer, tokens, k, v, slot, pad, k_scale, v_scale):
     return model(tokens, positions, cache, last_only=True)[:, -1]
 
 
-class CompiledDecoder:
-    """decode_step() with the same contract as generation.decode.decode_step, run by a compiled graph.
+class StepCompiler:
+    """Runs `fn(model, **inputs)` compiled: each new key (the inputs' shapes and kinds) goes once through
+    torch.compile; later calls run the compiled graph directly, with its inputs in the order the compiler recorded.
+    Dynamo's per-call work (its frame hook and guards on ~500 inputs) cost ~0.6 ms per token on the default model, a
+    tenth of a W4A16 step; the model is fixed, so nothing those guards check can change."""
 
-    Each new shape (batch, cache length, cache kind) is compiled once through torch.compile; later steps call
-    the compiled graph directly, with its inputs in the order the compiler recorded. Dynamo's per-call work
-    (its frame hook and guards on ~500 inputs) cost ~0.6 ms per token on the default model, a tenth of a
-    W4A16 step; the model is fixed, so nothing those guards check can change."""
-
-    def __init__(self, model: Transformer):
-        """`model` must not change (weights, dtype, modules) once its decoder is built."""
+    def __init__(self, model: torch.nn.Module, fn):
+        """`model` must not change (weights, dtype, modules) once compiled."""
         self.model = model
         self._plans: dict[tuple, _Plan | None] = {}
         self._captured: tuple | None = None
@@ -86,14 +84,35 @@ class CompiledDecoder:
         def backend(gm, example_inputs):
             from torch._inductor import compile as inductor_compile
 
-            fn = inductor_compile(gm, example_inputs, options)
-            self._captured = fn, list(example_inputs)
-            return fn
+            compiled = inductor_compile(gm, example_inputs, options)
+            self._captured = compiled, list(example_inputs)
+            return compiled
 
-        # Dynamo keeps its graphs per code object; a copy of _step's code for each decoder makes each decoder
-        # compile (and capture) its own graph, so two models of equal shapes never run each other's.
-        step = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
+        # Dynamo keeps its graphs per code object; a copy of fn's code for each compiler makes each compile (and
+        # capture) its own graph, so two models of equal shapes never run each other's.
+        step = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
         self.fn = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+
+    def __call__(self, key: tuple, inputs: dict) -> torch.Tensor:
+        """inputs: fn's parameters by name (Dynamo takes them as keywords, a plan fills its input list from them)."""
+        if key in self._plans:
+            plan = self._plans[key]
+            return plan.run(inputs) if plan is not None else self.fn(self.model, **inputs)
+        self._captured = None
+        out = self.fn(self.model, **inputs)
+        captured, self._captured = self._captured, None  # the graph's example inputs hold this call's tensors
+        self._plans[key] = _Plan.make(*captured, inputs, self.model) if captured is not None else None
+        return out
+
+
+class CompiledDecoder:
+    """decode_step() with the same contract as generation.decode.decode_step, run by a compiled graph (one per
+    batch size, cache length and cache kind)."""
+
+    def __init__(self, model: Transformer):
+        """`model` must not change (weights, dtype, modules) once its decoder is built."""
+        self.model = model
+        self.compiler = StepCompiler(model, _step)
 
     @torch.inference_mode()
     def decode_step(self, cache: StaticCache, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,17 +120,9 @@ class CompiledDecoder:
         pad = cache.pad if cache.pad is not None else torch.zeros(B, dtype=torch.long, device=dev)
         slot = torch.tensor([cache.length], device=dev)
         scales = getattr(cache, "k_scale", None), getattr(cache, "v_scale", None)  # an Int8KVCache's
-        # _step's parameters by name: Dynamo takes them as keywords, a plan fills its input list from them
         inputs = dict(tokens=tokens, k=cache.k, v=cache.v, slot=slot, pad=pad, k_scale=scales[0], v_scale=scales[1])
         key = (tuple(cache.k[0].shape), cache.k[0].dtype, scales[0] is not None, tokens.dtype)
-        if key in self._plans:
-            plan = self._plans[key]
-            logits = plan.run(inputs) if plan is not None else self.fn(self.model, **inputs)
-        else:
-            self._captured = None
-            logits = self.fn(self.model, **inputs)
-            captured, self._captured = self._captured, None  # the graph's example inputs hold this cache
-            self._plans[key] = _Plan.make(*captured, inputs, self.model) if captured is not None else None
+        logits = self.compiler(key, inputs)
         cache.advance(1)
         return logits
 
@@ -130,7 +141,7 @@ class _Plan:
         for name, value in inputs.items():
             if isinstance(value, torch.Tensor):
                 where[id(value)] = name, None
-            elif value is not None:
+            elif isinstance(value, (list, tuple)):  # other values (ints) are constants of the graph
                 where.update((id(t), (name, j)) for j, t in enumerate(value))
         fixed = {id(t) for t in (*model.parameters(), *model.buffers())}
         if not all(id(x) in where or id(x) in fixed for x in example_inputs):

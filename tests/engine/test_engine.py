@@ -192,3 +192,17 @@ def test_async_streams_equal_one_by_one_and_abort_frees_blocks(tiny):
             asyncio.run(collect([]))
     finally:
         llm.shutdown()
+
+
+def test_compiled_decode_steps_equal_one_by_one(tiny):
+    """Decode-only steps run as compiled graphs (batch padded to a bucket, padded rows writing a scratch block)."""
+    model, tok = tiny
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, compile=True)
+    assert engine.runner.compiled is not None
+    ps = prompts(5, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 9, 12, 12)]
+    seqs = [engine.add_request(str(i), p, sp)[0] for i, (p, sp) in enumerate(zip(ps, params))]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in seqs] == [one_by_one(model, [p], sp)[0] for p, sp in zip(ps, params)]
+    assert len(engine.runner.compiled.compiler._plans) >= 2  # buckets 8 -> 4 -> 2 as sequences finish

@@ -66,7 +66,7 @@ def test_later_steps_skip_dynamo_and_read_the_callers_cache(tmp_path):
     def no_dynamo(*args):
         raise AssertionError("Dynamo entered after the first step")
 
-    compiled.fn = no_dynamo
+    compiled.compiler.fn = no_dynamo
     for _ in range(3):
         for i in (0, 1):
             logits_e, logits_c = decode_step(model, eager[i][1], toks[i]), compiled.decode_step(caches[i], toks[i])

@@ -1,0 +1,68 @@
+"""Compiled decode steps for the engine: a step where every sequence feeds one token runs as one torch.compile'd
+graph (inductor fuses each layer's elementwise work; at one sequence the projections become the batch-1 runtime's
+streaming GEMVs). Shapes must be static, so the batch is padded up to a power of two (one graph per bucket) and
+the block tables to the longest a context can need; padded rows write their keys and values to a scratch block."""
+
+from __future__ import annotations
+
+import torch
+
+from leanlm import kernels
+from leanlm.cache.paged import KVPool, cdiv
+from leanlm.generation.compiled import StepCompiler
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _SlotWrites:
+    """The KVCache of a compiled decode step: writes at given slots, attends by the paged-attention kernel."""
+
+    def __init__(self, k, v, slots, tables, lens, block_size):
+        self.k, self.v, self.slots, self.tables, self.lens, self.block_size = k, v, slots, tables, lens, block_size
+
+    def attention_mask(self, T: int):
+        return None, False
+
+    def advance(self, T: int) -> None:
+        pass
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k[layer].index_copy_(0, self.slots, k)
+        self.v[layer].index_copy_(0, self.slots, v)
+        return kernels.ops().paged_attention(q.contiguous(), self.k[layer], self.v[layer], self.tables, self.lens,
+                                             self.block_size)
+
+
+def _paged_step(model, tokens, positions, slots, tables, lens, k, v, block_size):
+    """tokens, positions, slots, lens [B]; tables [B, W] -> logits [B, V]"""
+    cache = _SlotWrites(k, v, slots, tables, lens, block_size)
+    return model(tokens[None], positions[None], cache)[0]
+
+
+class CompiledPagedDecoder:
+    """Decode steps of up to BUCKETS[-1] sequences through compiled graphs; `scratch` is a block no sequence owns."""
+
+    def __init__(self, model, pool: KVPool, scratch: int):
+        self.model, self.pool, self.scratch = model, pool, scratch
+        self.width = cdiv(model.config.max_position, pool.block_size)
+        self.compiler = StepCompiler(model, _paged_step)
+
+    @staticmethod
+    def supports(model, pool: KVPool) -> bool:
+        return model.device.type == "cpu" and not pool.int8 and kernels.ops() is not None
+
+    @torch.inference_mode()
+    def run(self, tables: list[list[int]], positions: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token per sequence at `positions` -> logits [B, V] (B = len(tokens) <= BUCKETS[-1])."""
+        B, bs = len(tokens), self.pool.block_size
+        size = next(b for b in BUCKETS if b >= B)
+        pad = size - B
+        table = torch.zeros(size, self.width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [self.scratch * bs] * pad
+        inputs = dict(tokens=torch.tensor(tokens + [0] * pad), positions=torch.tensor(positions + [0] * pad),
+                      slots=torch.tensor(slots), tables=table, lens=torch.tensor([p + 1 for p in positions] + [1] * pad,
+                                                                               dtype=torch.int32),
+                      k=self.pool.k, v=self.pool.v, block_size=bs)
+        return self.compiler((size, bs), inputs)[:B]

@@ -133,7 +133,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row  # [B, V] -> [B]"""
     if params.greedy:
-        return logits.argmax(-1)
+        return logits.max(-1).indices  # argmax's first maximum, faster on CPU (see sample_rows)
     probs = probabilities(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -155,12 +155,14 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
                          f"{len(banned)}")
     banned = [() if b is None else list(b) for b in banned]
     if not any(banned) and all(p.greedy and p.repetition_penalty == 1 and p.logprobs is None for p in params):
-        return logits.argmax(-1).tolist(), [None] * len(params)  # the engine's common step: one argmax, one sync
+        # the engine's common step: one reduction, one sync. max().indices, not argmax: the same first maximum,
+        # 4x faster on CPU ([256, 49152] bf16: 5.5 vs 23 ms)
+        return logits.max(-1).indices.tolist(), [None] * len(params)
     x = _processed(logits, params, histories, banned)
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        tokens[greedy] = x[greedy].argmax(-1)
+        tokens[greedy] = x[greedy].max(-1).indices
     for rows in _groups(params).values():
         probs = probabilities(x[rows], params[rows[0]])  # [R, V]
         tokens[rows] = _draw(probs, [generators[i] for i in rows])

@@ -25,7 +25,8 @@ class Engine:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, kv_cache_memory: int = 1 << 30,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 1024,
-                 prefix_caching: bool = True, kv_cache_dtype: str = "auto", compile: bool = False):
+                 prefix_caching: bool = True, kv_cache_dtype: str = "auto", compile: bool = False,
+                 deterministic: bool = False):
         if kv_cache_dtype not in ("auto", "int8"):
             raise LeanLMError(f"kv_cache_dtype must be auto (the model dtype) or int8, got {kv_cache_dtype!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -36,10 +37,10 @@ class Engine:
         # the pool's last block belongs to no sequence: padded rows of a compiled step write there
         self.blocks = BlockManager(self.pool.num_blocks - 1, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        compiled = None
-        if compile and CompiledPagedDecoder.supports(model, self.pool):
-            compiled = CompiledPagedDecoder(model, self.pool, scratch=self.pool.num_blocks - 1)
-        self.runner = Runner(model, self.pool, compiled)
+        scratch, compiled = self.pool.num_blocks - 1, None
+        if compile and not deterministic and CompiledPagedDecoder.supports(model, self.pool):
+            compiled = CompiledPagedDecoder(model, self.pool, scratch)
+        self.runner = Runner(model, self.pool, compiled, deterministic, scratch)
         self.eos = eos_ids(model, tokenizer)
         self.requests: dict[str, list[Sequence]] = {}
 

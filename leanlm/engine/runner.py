@@ -9,18 +9,35 @@ from leanlm.cache.paged import KVPool
 from leanlm.cache.paged_attention import PagedStep
 from leanlm.engine.compiled import BUCKETS
 from leanlm.engine.sequence import Sequence
+from leanlm.errors import LeanLMError
 from leanlm.models.transformer import Transformer
+
+TILE = 16  # rows of every product in deterministic mode
 
 
 class Runner:
-    """`compiled`: an engine.compiled.CompiledPagedDecoder for steps of decodes only (None: always eager)."""
+    """`compiled`: an engine.compiled.CompiledPagedDecoder for steps of decodes only (None: always eager).
 
-    def __init__(self, model: Transformer, pool: KVPool, compiled=None):
+    deterministic: a token's logits do not depend on what shares its step, how its prompt was chunked or whether
+    it was verified speculatively. Two things make them depend on it in the normal path: a matrix product's
+    library picks its reduction order by the number of rows (float32 GEMMs here: 1 row differs from 2, 2 from 16),
+    and prompt chunks attend by SDPA, whose tiling follows the chunk length. Deterministic mode feeds every token
+    as a single query through the paged-attention kernel (one fixed order per query) and runs the model on tiles of
+    exactly TILE rows (padded; a product's row comes out the same at any position of a fixed-shape tile)."""
+
+    def __init__(self, model: Transformer, pool: KVPool, compiled=None, deterministic: bool = False,
+                 scratch: int | None = None):
         self.model, self.pool, self.compiled = model, pool, compiled
+        self.deterministic, self.scratch = deterministic, scratch
+        if deterministic and PagedStep(pool, [[0]], [0], [1], model.device).kernel is None:
+            raise LeanLMError("deterministic mode needs leanlm's paged-attention kernel: a CPU model with a 16- or "
+                              "32-bit KV cache, and a C++ compiler to build the kernel")
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """Feed each sequence its next n tokens; (the sequences that reach their last token, their logits [R, V])."""
+        if self.deterministic:
+            return self._run_tiles(batch)
         dev = self.model.device
         if self.compiled is not None and len(batch) <= BUCKETS[-1] and all(n == 1 for _, n in batch):
             seqs = [s for s, _ in batch]
@@ -39,3 +56,27 @@ class Runner:
         logits = self.model(torch.tensor([tokens], device=dev), torch.tensor([positions], device=dev), step,
                             rows=torch.tensor(rows, dtype=torch.long, device=dev))
         return sampling, logits[0]
+
+    def _run_tiles(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """Every token a single query, TILE at a time; padding rows write the scratch block."""
+        dev, pad = self.model.device, ([self.scratch], 0, 0)  # (block table, position, token)
+        queries, sampling, rows = [], [], []
+        for seq, n in batch:
+            queries += [(seq.block_table, p, seq.token_ids[p]) for p in range(seq.num_computed, seq.num_computed + n)]
+            if seq.num_computed + n == len(seq.token_ids):
+                sampling.append(seq)
+                rows.append(len(queries) - 1)
+        hidden = []
+        for i in range(0, len(queries), TILE):
+            tile = queries[i : i + TILE]
+            tile += [pad] * (TILE - len(tile))
+            tables, positions, tokens = zip(*tile)
+            step = PagedStep(self.pool, list(tables), list(positions), [1] * TILE, dev)
+            hidden.append(self.model.hidden(torch.tensor([tokens], device=dev), torch.tensor([positions], device=dev),
+                                            step)[0])
+        if not rows:  # only prompt chunks with more to come
+            return [], torch.empty(0)
+        x = torch.cat(hidden)[rows]  # [R, hidden]
+        x = torch.cat([x, x.new_zeros(-len(x) % TILE, x.shape[1])])
+        logits = torch.cat([self.model.logits(x[i : i + TILE]) for i in range(0, len(x), TILE)])
+        return sampling, logits[: len(rows)]

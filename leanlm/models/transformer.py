@@ -44,6 +44,15 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None, last_only: bool = False,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only, [B, R, V] at `rows` [R])."""
+        x = self.hidden(tokens, positions, cache)
+        if last_only:
+            x = x[:, -1:]
+        elif rows is not None:
+            x = x[:, rows]
+        return self.logits(x)
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        """The last layer's output, before the final norm  # tokens, positions [B, T] -> [B, T, hidden]"""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions)
@@ -52,8 +61,8 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache, mask, is_causal)
         if cache is not None:
             cache.advance(T)
-        if last_only:
-            x = x[:, -1:]
-        elif rows is not None:
-            x = x[:, rows]
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., V]"""
         return self.lm_head(self.norm(x))

@@ -206,3 +206,26 @@ def test_compiled_decode_steps_equal_one_by_one(tiny):
         engine.step()
     assert [s.output_ids for s in seqs] == [one_by_one(model, [p], sp)[0] for p, sp in zip(ps, params)]
     assert len(engine.runner.compiled.compiler._plans) >= 2  # buckets 8 -> 4 -> 2 as sequences finish
+
+
+def test_deterministic_mode_is_batch_invariant_in_bfloat16(tiny):
+    """bf16, deterministic: each request's tokens and logprobs are bit-identical alone, in a crowd of others, and
+    with its prompt cut into chunks (without the mode, chunking changed the logprobs of all ten requests here)."""
+    model, tok = tiny
+    model = model.to(torch.bfloat16)
+    try:
+        ps = prompts(10, seed=7)
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+        def run(group, **options):
+            engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, deterministic=True, **options)
+            seqs = [engine.add_request(str(i), p, params)[0] for i, p in enumerate(group)]
+            while engine.has_work:
+                engine.step()
+            return [(s.output_ids, [(x.token, x.logprob, x.top) for x in s.logprobs]) for s in seqs]
+
+        alone = [run([p])[0] for p in ps]
+        assert run(ps) == alone
+        assert run(ps, max_num_batched_tokens=7) == alone
+    finally:
+        model.float()

@@ -229,3 +229,20 @@ def test_deterministic_mode_is_batch_invariant_in_bfloat16(tiny):
         assert run(ps, max_num_batched_tokens=7) == alone
     finally:
         model.float()
+
+
+@pytest.mark.parametrize("config", ["w8a16", "w4a16", "w8a8"])
+def test_quantized_models_run_in_the_engine(tmp_path, config):
+    from leanlm.compress.quant.rtn import RTN
+    from leanlm.compress.registry import apply
+
+    make_hf_model("qwen2", tmp_path, max_position_embeddings=512)
+    make_tokenizer(tmp_path)
+    model, tok = load_model(tmp_path, torch.float32), Tokenizer(tmp_path)
+    apply(model, {"w8a16": RTN(8), "w4a16": RTN(4, 32), "w8a8": RTN(8, act_bits=8)}[config])
+    ps = prompts(6, seed=5)
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, max_num_batched_tokens=32)
+    seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps)]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in seqs] == one_by_one(model, ps)

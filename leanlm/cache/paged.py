@@ -156,13 +156,12 @@ class BlockManager:
         self.hits += seq.num_cached
         return True
 
-    def append(self, seq: HasBlocks) -> bool:
-        """Room for one more token (the one fed next); False if a block was needed and none is free."""
-        if len(seq.block_table) * self.block_size >= len(seq.token_ids):
-            return True
-        if not self.free:
+    def append(self, seq: HasBlocks, extra: int = 0) -> bool:
+        """Room for the token fed next and `extra` after it; False (nothing taken) if not enough blocks are free."""
+        need = cdiv(len(seq.token_ids) + extra, self.block_size) - len(seq.block_table)
+        if need > len(self.free):
             return False
-        seq.block_table.append(self._take())
+        seq.block_table += [self._take() for _ in range(need)]
         return True
 
     def commit(self, seq: HasBlocks, num_computed: int) -> None:

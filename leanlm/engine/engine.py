@@ -14,7 +14,8 @@ from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import check_fits
-from leanlm.generation.sampling import SamplingParams, sample_rows
+from leanlm.generation.sampling import SamplingParams, probabilities, sample_rows
+from leanlm.generation.speculative import LookupProposer, verify
 from leanlm.generation.text import Detokenizer, encode_prompt, eos_ids
 from leanlm.models.transformer import Transformer
 from leanlm.tokenizer import Tokenizer
@@ -26,7 +27,7 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, kv_cache_memory: int = 1 << 30,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 1024,
                  prefix_caching: bool = True, kv_cache_dtype: str = "auto", compile: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, prompt_lookup: int = 0, num_speculative: int = 4):
         if kv_cache_dtype not in ("auto", "int8"):
             raise LeanLMError(f"kv_cache_dtype must be auto (the model dtype) or int8, got {kv_cache_dtype!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -42,6 +43,9 @@ class Engine:
             compiled = CompiledPagedDecoder(model, self.pool, scratch)
         self.runner = Runner(model, self.pool, compiled, deterministic, scratch)
         self.eos = eos_ids(model, tokenizer)
+        self.lookup = LookupProposer(ngram=prompt_lookup) if prompt_lookup else None
+        self.num_speculative = num_speculative
+        self.spec_proposed = self.spec_accepted = 0  # prompt-lookup tokens proposed and accepted
         self.requests: dict[str, list[Sequence]] = {}
 
     def make_request(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
@@ -94,27 +98,63 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[Delta]:
+        self._propose()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         sampling, logits = self.runner.run(batch)
         for seq, n in batch:
-            seq.num_computed += n
-            self.blocks.commit(seq, seq.num_computed)
-        if not sampling:  # only prompt chunks that have more to come
-            return []
-        seqs, rows = self._fork(sampling)
-        params = [s.params for s in seqs]
-        histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in seqs]
-        tokens, logprobs = sample_rows(logits[rows] if len(rows) != len(sampling) else logits, params,
-                                       [s.generator for s in seqs], histories, [s.banned(s.stop_ids) for s in seqs])
-        now = time.perf_counter()
-        return [self._append(seq, token, lp, now) for seq, token, lp in zip(seqs, tokens, logprobs)]
+            if not seq.proposal:
+                seq.num_computed += n
+                self.blocks.commit(seq, seq.num_computed)
+        starts = [0]
+        for seq in sampling:
+            starts.append(starts[-1] + 1 + len(seq.proposal))
+        now, deltas = time.perf_counter(), []
+        plain = [(seq, row) for seq, row in zip(sampling, starts) if not seq.proposal]
+        if plain:
+            seqs, rows = self._fork(plain)
+            histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in seqs]
+            tokens, logprobs = sample_rows(logits[rows], [s.params for s in seqs], [s.generator for s in seqs],
+                                           histories, [s.banned(s.stop_ids) for s in seqs])
+            deltas += [self._append(seq, [token], lp and [lp], now) for seq, token, lp in zip(seqs, tokens, logprobs)]
+        for seq, row in zip(sampling, starts):
+            if seq.proposal:
+                deltas.append(self._verify(seq, logits[row : row + 1 + len(seq.proposal)], now))
+        return deltas
 
-    def _fork(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-        """A request's other completions join once its prompt is computed, sharing its blocks and first logits."""
+    def _propose(self) -> None:
+        """Prompt lookup: a decoding sequence proposes the tokens that followed the latest earlier match of its last
+        n-gram (generation.speculative.LookupProposer). Requests whose sampling looks at more than the logits of
+        each position (repetition penalty, pending min_tokens, logprobs) decode plainly."""
+        if self.lookup is None:
+            return
+        for seq in self.scheduler.running:
+            p, room = seq.params, min(self.num_speculative, seq.max_tokens - len(seq.output_ids) - 1)
+            eligible = seq.remaining == 1 and seq.num_computed > 0 and not seq.children and room > 0
+            plain = p.repetition_penalty != 1 or p.logprobs is not None or len(seq.output_ids) < p.min_tokens
+            seq.proposal = self.lookup.propose(seq.token_ids, room, None)[0] if eligible and not plain else []
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, now: float) -> Delta:
+        """Accept the longest right prefix of the proposal and one more token  # logits [1 + k, V].
+        Greedy: while the proposal equals the argmax; sampled: the exact rejection rule (speculative.verify)."""
+        proposal, seq.proposal = seq.proposal, []
+        if seq.params.greedy:
+            best = logits.max(-1).indices.tolist()
+            accepted = next((i for i, (x, y) in enumerate(zip(proposal, best)) if x != y), len(proposal))
+            following = best[accepted]
+        else:
+            accepted, following = verify(probabilities(logits, seq.params), proposal, None, False, seq.generator)
+        seq.num_computed += 1 + accepted  # the rejected proposals' keys and values are overwritten later
+        self.spec_proposed += len(proposal)
+        self.spec_accepted += accepted
+        return self._append(seq, proposal[:accepted] + [following], None, now)
+
+    def _fork(self, sampling: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int]]:
+        """(sequence, logits row) to sample; a request's other completions join once its prompt is computed,
+        sharing its blocks and first logits."""
         seqs, rows, copies = [], [], []
-        for row, seq in enumerate(sampling):
+        for seq, row in sampling:
             seqs.append(seq)
             rows.append(row)
             for child in seq.children:
@@ -131,22 +171,28 @@ class Engine:
         self.pool.copy_blocks(copies)
         return seqs, rows
 
-    def _append(self, seq: Sequence, token: int, logprobs, now: float) -> Delta:
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None, now: float) -> Delta:
+        """Add sampled tokens (several after an accepted proposal) until one finishes the sequence."""
         seq.first_token_time = seq.first_token_time or now
+        text, added = "", []
+        for token in tokens:
+            seq.token_ids.append(token)
+            added.append(token)
+            text += seq.detokenizer.add(token, self.tokenizer)
+            seq.finish_reason = seq.detokenizer.finish_reason
+            if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
+                seq.finish_reason = "length"
+                text += seq.detokenizer.flush(len(seq.detokenizer.text))
+            if seq.finished:
+                break
         if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        text = seq.detokenizer.add(token, self.tokenizer)
-        seq.finish_reason = seq.detokenizer.finish_reason
-        if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
-            seq.finish_reason = "length"
-            text += seq.detokenizer.flush(len(seq.detokenizer.text))
+            seq.logprobs += logprobs
+        self.blocks.commit(seq, min(seq.num_computed, len(seq.token_ids)))
         if seq.finished:
             self.scheduler.finish(seq)
             if all(s.finished for s in self.requests.get(seq.request_id, [])):
                 del self.requests[seq.request_id]
-        return Delta(seq.request_id, seq.index, text, [token], seq.finish_reason,
-                     [logprobs] if logprobs is not None else None)
+        return Delta(seq.request_id, seq.index, text, added, seq.finish_reason, logprobs)
 
 
 def request_output(seqs: list[Sequence]) -> RequestOutput:

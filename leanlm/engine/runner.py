@@ -35,7 +35,8 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """Feed each sequence its next n tokens; (the sequences that reach their last token, their logits [R, V])."""
+        """Feed each sequence its next n tokens; (the sequences that reach their last token, their logits [R, V]:
+        one row each, 1 + len(proposal) for a speculating one)."""
         if self.deterministic:
             return self._run_tiles(batch)
         dev = self.model.device
@@ -46,10 +47,10 @@ class Runner:
         tokens, positions, rows, sampling = [], [], [], []
         for seq, n in batch:
             begin = seq.num_computed
-            tokens.extend(seq.token_ids[begin : begin + n])
+            tokens.extend(seq.fed(n))
             positions.extend(range(begin, begin + n))
-            if begin + n == len(seq.token_ids):
-                rows.append(len(tokens) - 1)
+            if r := seq.rows(n):
+                rows.extend(range(len(tokens) - r, len(tokens)))
                 sampling.append(seq)
         step = PagedStep(self.pool, [s.block_table for s, _ in batch], [s.num_computed for s, _ in batch],
                          [n for _, n in batch], dev)
@@ -62,10 +63,10 @@ class Runner:
         dev, pad = self.model.device, ([self.scratch], 0, 0)  # (block table, position, token)
         queries, sampling, rows = [], [], []
         for seq, n in batch:
-            queries += [(seq.block_table, p, seq.token_ids[p]) for p in range(seq.num_computed, seq.num_computed + n)]
-            if seq.num_computed + n == len(seq.token_ids):
+            queries += [(seq.block_table, seq.num_computed + i, t) for i, t in enumerate(seq.fed(n))]
+            if r := seq.rows(n):
                 sampling.append(seq)
-                rows.append(len(queries) - 1)
+                rows.extend(range(len(queries) - r, len(queries)))
         hidden = []
         for i in range(0, len(queries), TILE):
             tile = queries[i : i + TILE]

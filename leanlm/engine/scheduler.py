@@ -28,19 +28,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to feed) for the next step: decodes (one token each) first, then prompt chunks."""
+        """(sequence, tokens to feed) for the next step: decodes (one token each, or with their proposal) first,
+        then prompt chunks."""
         batch, budget = [], self.max_num_batched_tokens
         for seq in list(self.running):
             if seq.remaining != 1 or seq not in self.running:  # prefilling, or preempted in this loop
                 continue
+            if seq.proposal and not (len(seq.proposal) < budget and self.blocks.append(seq, len(seq.proposal))):
+                seq.proposal = []  # no room to speculate: a plain decode
             while not self.blocks.append(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
-                batch.append((seq, 1))
-                budget -= 1
+                batch.append((seq, 1 + len(seq.proposal)))
+                budget -= batch[-1][1]
+        batch.sort(key=lambda item: item[1] > 1)  # single tokens first: attention batches them (stable sort)
         for seq in self.running:  # prompts admitted in earlier steps continue
             if seq.remaining > 1 and budget > 0:
                 batch.append((seq, min(seq.remaining, budget)))

@@ -34,6 +34,7 @@ class Sequence:
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token_time: float | None = None
         self.children: list[Sequence] = []  # the request's other n - 1 completions, forked after the prompt
+        self.proposal: list[int] = []  # speculative tokens fed after the last one this step (prompt lookup)
 
     @property
     def num_prompt(self) -> int:
@@ -47,6 +48,17 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens still to feed before the next token can be sampled (1 while decoding)."""
         return len(self.token_ids) - self.num_computed
+
+    def fed(self, n: int) -> list[int]:
+        """The next n tokens to feed: the rest of the prompt, or the last token and the proposal."""
+        begin = self.num_computed
+        if self.proposal and begin + n > len(self.token_ids):
+            return self.token_ids[begin:] + self.proposal[: begin + n - len(self.token_ids)]
+        return self.token_ids[begin : begin + n]
+
+    def rows(self, n: int) -> int:
+        """How many of the n fed tokens give logits to sample from: 0 mid-prompt, else 1 + the proposal."""
+        return 1 + len(self.proposal) if self.num_computed + n == len(self.token_ids) + len(self.proposal) else 0
 
     @property
     def finished(self) -> bool:

@@ -246,3 +246,44 @@ def test_quantized_models_run_in_the_engine(tmp_path, config):
     while engine.has_work:
         engine.step()
     assert [s.output_ids for s in seqs] == one_by_one(model, ps)
+
+
+def repetitive(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase, so that prompt lookup finds continuations to propose."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 120) for _ in range(rng.randrange(4, 9))] * rng.randrange(3, 6) for _ in range(n)]
+
+
+def test_prompt_lookup_in_the_engine_equals_plain_greedy(tiny):
+    model, tok = tiny
+    ps = repetitive(8, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, prompt_lookup=3, max_num_batched_tokens=40)
+    seqs = [engine.add_request(str(i), p, params)[0] for i, p in enumerate(ps)]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in seqs] == one_by_one(model, ps, params)
+    assert engine.spec_accepted > 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    sampled = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=3)
+    (s,) = engine.add_request("s", ps[0], sampled)
+    while engine.has_work:
+        engine.step()
+    assert len(s.output_ids) == 16 and all(0 <= t < 128 for t in s.output_ids)
+
+
+def test_deterministic_mode_makes_speculation_invisible_in_bfloat16(tiny):
+    model, tok = tiny
+    model = model.to(torch.bfloat16)
+    try:
+        ps = repetitive(6, seed=2)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        outputs = []
+        for lookup in (0, 3):
+            engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, deterministic=True, prompt_lookup=lookup)
+            seqs = [engine.add_request(str(i), p, params)[0] for i, p in enumerate(ps)]
+            while engine.has_work:
+                engine.step()
+            outputs.append([s.output_ids for s in seqs])
+        assert outputs[0] == outputs[1] and engine.spec_accepted > 0
+    finally:
+        model.float()

@@ -65,6 +65,8 @@ def generate(
                                                   "prints one JSON line per prompt")] = None,
     kv_cache_memory: Annotated[str, typer.Option(help="with --file: KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "1GiB",
     max_num_seqs: Annotated[int, typer.Option(help="with --file: most sequences decoded together")] = 256,
+    deterministic: Annotated[bool, typer.Option(help="with --file: outputs independent of batching, chunking and "
+                                                     "speculation (slower; see `leanlm.LLM`)")] = False,
     max_tokens: Annotated[int, typer.Option(help="most new tokens per prompt")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy (the default)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling mass, (0, 1]")] = 1.0,
@@ -93,7 +95,8 @@ def generate(
     if (file is None) == (not prompt):
         _fail("give PROMPT arguments or --file PROMPTS.jsonl (one of them)")
     if file is not None:
-        _generate_file(model, file, params, chat, kv_cache_memory, max_num_seqs, dtype, device, threads)
+        _generate_file(model, file, params, chat, dict(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                       deterministic=deterministic, prompt_lookup=prompt_lookup or 0), dtype, device, threads)
         return
     net, tok, threads = _load(model, dtype, device, threads)
     if (draft or prompt_lookup) and num_speculative != 0:
@@ -116,13 +119,12 @@ def generate(
         out.print(c.text, highlight=False, markup=False)
 
 
-def _generate_file(model, file, params, chat, kv_cache_memory, max_num_seqs, dtype, device, threads) -> None:
+def _generate_file(model, file, params, chat, engine_options: dict, dtype, device, threads) -> None:
     from leanlm.engine import LLM
     from leanlm.engine.jsonl import read_requests, result_line
 
     prompts, per_line = read_requests(file, params)
-    llm = LLM(model, dtype=dtype, device=device, threads=threads, kv_cache_memory=kv_cache_memory,
-              max_num_seqs=max_num_seqs)
+    llm = LLM(model, dtype=dtype, device=device, threads=threads, **engine_options)
     for i, output in enumerate(llm.generate(prompts, per_line, chat=chat)):
         print(result_line(i, output))
 

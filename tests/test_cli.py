@@ -38,7 +38,7 @@ def test_generate_file_runs_prompts_through_the_engine(tiny_dir, tmp_path_factor
              {"prompt": "def f(x):"}]
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     r = leanlm("generate", tiny_dir, "--file", prompts, "--max-tokens", "6", "--threads", "1", "--dtype", "float32",
-               "--kv-cache-memory", "16MiB")
+               "--kv-cache-memory", "16MiB", "--deterministic", "--prompt-lookup", "2")
     assert r.returncode == 0, r.stderr
     results = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["index"] for x in results] == [0, 1, 2]

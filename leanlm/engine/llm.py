@@ -32,7 +32,10 @@ class LLM:
     """leanlm.LLM("smollm2-135m").generate(prompts, SamplingParams(...)) -> one RequestOutput per prompt.
 
     Engine options: kv_cache_memory ("1GiB", bytes, or a fraction of free memory such as 0.2), block_size,
-    max_num_seqs, max_num_batched_tokens, prefix_caching, kv_cache_dtype ("auto" or "int8")."""
+    max_num_seqs, max_num_batched_tokens, prefix_caching, kv_cache_dtype ("auto" or "int8"), compile (decode
+    steps as compiled graphs: fastest at few sequences, each batch bucket compiles once), deterministic (a
+    request's output independent of its batch, chunking and speculation), prompt_lookup (n-gram size, 0 = off)
+    and num_speculative (tokens proposed per step)."""
 
     def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
                  kv_cache_memory: str | int | float = "1GiB", **engine_options):

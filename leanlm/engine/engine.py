@@ -48,6 +48,14 @@ class Engine:
         self.spec_proposed = self.spec_accepted = 0  # prompt-lookup tokens proposed and accepted
         self.requests: dict[str, list[Sequence]] = {}
 
+    def describe(self) -> str:
+        """The KV pool in a line: blocks, tokens, bytes (what the budget bought)."""
+        kind = "int8" if self.pool.int8 else str(self.pool.dtype).removeprefix("torch.")
+        tokens = self.blocks.num_blocks * self.blocks.block_size
+        return (f"KV cache: {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens = {tokens} tokens "
+                f"({self.pool.nbytes / 2**30:.2f} GiB, {kind}); up to {self.scheduler.max_num_seqs} sequences, "
+                f"{self.scheduler.max_num_batched_tokens} tokens per step")
+
     def make_request(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
                      chat: bool = False) -> list[Sequence]:
         """Tokenize and check a request (any thread; raises LeanLMError on bad input, changing nothing). The prompt:

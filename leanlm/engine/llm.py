@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from leanlm.generation.sampling import SamplingParams
 from leanlm.runtime import cpu_count, parse_memory, set_threads
 
 
-def _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options) -> Engine:
+def _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options, quiet: bool) -> Engine:
     if isinstance(model, (str, Path)):
         from leanlm.api import load
 
@@ -25,7 +26,10 @@ def _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_op
         raise LeanLMError("LLM(model) with a model object needs its tokenizer too: LLM(model, tokenizer)")
     if model.device.type == "cpu":  # batches are compute-bound: every core helps (override with threads=)
         set_threads(threads or cpu_count())
-    return Engine(model, tokenizer, parse_memory(kv_cache_memory, model.device), **engine_options)
+    engine = Engine(model, tokenizer, parse_memory(kv_cache_memory, model.device), **engine_options)
+    if not quiet:
+        print(f"leanlm: {engine.describe()}", file=sys.stderr)
+    return engine
 
 
 class LLM:
@@ -38,8 +42,8 @@ class LLM:
     and num_speculative (tokens proposed per step)."""
 
     def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
-                 kv_cache_memory: str | int | float = "1GiB", **engine_options):
-        self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options)
+                 kv_cache_memory: str | int | float = "1GiB", quiet: bool = False, **engine_options):
+        self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options, quiet)
         self._ids = itertools.count()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
@@ -91,8 +95,8 @@ class AsyncLLM:
     and hands each Delta to the asyncio loop of the request's caller."""
 
     def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
-                 kv_cache_memory: str | int | float = "1GiB", **engine_options):
-        self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options)
+                 kv_cache_memory: str | int | float = "1GiB", quiet: bool = False, **engine_options):
+        self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options, quiet)
         self._ids = itertools.count()
         self._inbox: list = []  # ("add", seqs) / ("abort", id), applied by the engine thread between steps
         self._wake = threading.Condition()

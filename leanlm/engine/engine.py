@@ -75,9 +75,8 @@ class Engine:
             raise LeanLMError(f"a request of {len(ids)} prompt + {max_tokens} new tokens needs {need} KV blocks; the "
                               f"KV cache holds {self.blocks.num_blocks}: give it more memory or ask for fewer tokens")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
-        seqs = [Sequence(request_id, i, ids, params, Detokenizer(ids, params.stop, stop_ids)) for i in range(params.n)]
-        for seq in seqs:
-            seq.max_tokens, seq.stop_ids = max_tokens, stop_ids
+        seqs = [Sequence(request_id, i, ids, params, max_tokens, stop_ids, Detokenizer(ids, params.stop, stop_ids))
+                for i in range(params.n)]
         seqs[0].children = seqs[1:]
         return seqs
 
@@ -124,7 +123,7 @@ class Engine:
             seqs, rows = self._fork(plain)
             histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in seqs]
             tokens, logprobs = sample_rows(logits[rows], [s.params for s in seqs], [s.generator for s in seqs],
-                                           histories, [s.banned(s.stop_ids) for s in seqs])
+                                           histories, [s.banned() for s in seqs])
             deltas += [self._append(seq, [token], lp and [lp], now) for seq, token, lp in zip(seqs, tokens, logprobs)]
         for seq, row in zip(sampling, starts):
             if seq.proposal:

@@ -16,9 +16,11 @@ class Sequence:
     prompt in chunks, then one sampled token per step). Preemption frees the blocks and sets num_computed to 0:
     the prompt and the output so far are computed again on readmission."""
 
-    def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                 detokenizer: Detokenizer, arrival: float | None = None):
+    def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                 stop_ids: set[int], detokenizer: Detokenizer, arrival: float | None = None):
+        """max_tokens: params.max_tokens clipped to the context window; stop_ids: token ids that end it."""
         self.request_id, self.index, self.params = request_id, index, params
+        self.max_tokens, self.stop_ids = max_tokens, stop_ids
         self.prompt_ids = prompt_ids
         self.token_ids = list(prompt_ids)
         self.num_computed = 0
@@ -64,9 +66,9 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def banned(self, stop_ids: set[int]) -> set[int] | None:
-        """Token ids it may not sample yet: end-of-sequence ids until min_tokens are out."""
-        return stop_ids if len(self.output_ids) < self.params.min_tokens else None
+    def banned(self) -> set[int] | None:
+        """Token ids it may not sample yet: the stop ids until min_tokens are out."""
+        return self.stop_ids if len(self.output_ids) < self.params.min_tokens else None
 
 
 @dataclass

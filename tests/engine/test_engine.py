@@ -287,3 +287,17 @@ def test_deterministic_mode_makes_speculation_invisible_in_bfloat16(tiny):
         assert outputs[0] == outputs[1] and engine.spec_accepted > 0
     finally:
         model.float()
+
+
+def test_stop_token_ids_and_min_tokens(tiny):
+    model, tok = tiny
+    prompt = prompts(1, seed=9)[0]
+    first = one_by_one(model, [prompt])[0][0]
+    engine = Engine(model, tok, kv_cache_memory=1 << 24)
+    (stopped,) = engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first]))
+    (held,) = engine.add_request("b", prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first],
+                                                             min_tokens=3, repetition_penalty=1.3))
+    while engine.has_work:
+        engine.step()
+    assert stopped.output_ids == [first] and stopped.finish_reason == "stop"
+    assert first not in held.output_ids[:3] and len(held.output_ids) >= 3

@@ -160,6 +160,34 @@ def _speculate(net, tok, prompt, params, chat, draft, ngram, k, dtype, device, t
                   f"c={d['cost_ratio']:.2f}, predicted speedup {d['predicted_speedup']:.2f}x", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def serve(
+    model: Model,
+    host: Annotated[str, typer.Option(help="address to bind (loopback unless you mean to expose it)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="require `Authorization: Bearer KEY` on /v1/ routes")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: MODEL)")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="most sequences decoded together")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step (prompt chunks fill it)")] = 1024,
+    kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "2GiB",
+    max_requests: Annotated[int, typer.Option(help="requests in progress beyond which new ones get 503")] = 512,
+    prompt_lookup: Annotated[int, typer.Option(help="prompt-lookup speculation with n-grams up to N (0: off)")] = 0,
+    deterministic: Annotated[bool, typer.Option(help="outputs independent of batching, chunking, speculation")] = False,
+    compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs (each "
+                                          "batch-size bucket compiles once, ~1 min)")] = False,
+    dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics). SIGTERM drains requests in flight, then exits."""
+    from leanlm.engine import AsyncLLM
+    from leanlm.serve import serve as run_server
+
+    llm = AsyncLLM(model, dtype=dtype, device=device, threads=threads, kv_cache_memory=kv_cache_memory,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   prompt_lookup=prompt_lookup, deterministic=deterministic, compile=compile)
+    run_server(llm, served_model_name or model, host, port, api_key, max_requests)
+
+
 @app.command("eval")
 def eval_(
     model: Model,

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from leanlm.engine.engine import Engine, request_output
-from leanlm.engine.sequence import Delta, RequestOutput
+from leanlm.engine.sequence import Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.sampling import SamplingParams
 from leanlm.runtime import cpu_count, parse_memory, set_threads
@@ -110,22 +110,25 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    chat: bool = False) -> tuple[str, asyncio.Queue]:
-        """Queue a request from a running event loop; (request id, queue of its Deltas, None after the last)."""
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, chat: bool = False,
+                    queue: asyncio.Queue | None = None) -> tuple[list[Sequence], asyncio.Queue]:
+        """Queue a request from a running event loop; (its sequences, the queue its Deltas arrive on: `queue`, which
+        several requests may share, or a new one). An engine failure arrives on it as an exception object. The
+        sequences belong to the engine thread: read only their ids and prompt."""
         if self.error is not None or self._stopped:
             raise LeanLMError(f"the engine is not running ({self.error or 'shut down'})")
         request_id = request_id or f"req-{next(self._ids)}"
         seqs = self.engine.make_request(request_id, prompt, params, chat)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = queue or asyncio.Queue()
         self._sinks[request_id] = asyncio.get_running_loop(), queue
         self._post(("add", seqs))
-        return request_id, queue
+        return seqs, queue
 
     async def stream(self, prompt, params: SamplingParams, request_id: str | None = None,
                      chat: bool = False) -> AsyncIterator[Delta]:
         """Deltas of one request until each of its completions finished; aborted if the consumer stops early."""
-        request_id, queue = self.add_request(prompt, params, request_id, chat)
+        seqs, queue = self.add_request(prompt, params, request_id, chat)
+        request_id = seqs[0].request_id
         done = 0
         try:
             while done < params.n:
@@ -139,10 +142,16 @@ class AsyncLLM:
         finally:
             if done < params.n:
                 self.abort(request_id)
-            self._sinks.pop(request_id, None)
+            self.release(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (between steps); its queue gets nothing more."""
+        self._sinks.pop(request_id, None)
         self._post(("abort", request_id))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's queue."""
+        self._sinks.pop(request_id, None)
 
     def shutdown(self) -> None:
         with self._wake:

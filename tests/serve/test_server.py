@@ -1,0 +1,278 @@
+"""leanlm serve as clients see it: a real uvicorn on 127.0.0.1, the official openai client and raw HTTP."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from leanlm.engine import AsyncLLM
+from leanlm.generation.decode import generate_ids
+from leanlm.generation.sampling import SamplingParams
+from leanlm.models.loading import load_model
+from leanlm.tokenizer import Tokenizer
+from tests.conftest import make_hf_model, make_tokenizer
+
+openai = pytest.importorskip("openai")
+KEY, NAME = "sekrit", "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """build_app on a real uvicorn in a thread; stopped (drained) at the end."""
+
+    def __init__(self, model, tok, **options):
+        import uvicorn
+
+        from leanlm.serve.app import build_app
+
+        max_requests = options.pop("max_requests", 512)
+        self.llm = AsyncLLM(model, tok, quiet=True, **options)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app = build_app(self.llm, NAME, api_key=KEY, max_requests=max_requests)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.llm.shutdown()
+
+    def settled(self, timeout: float = 10) -> bool:
+        """Every block free (or held only by the prefix cache) and no request left in the engine."""
+        e, deadline = self.llm.engine, time.time() + timeout
+        while time.time() < deadline:
+            if not e.has_work and not e.requests and e.blocks.num_free == e.blocks.num_blocks:
+                return True
+            time.sleep(0.05)
+        return False
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_hf_model("llama", path, max_position_embeddings=512)
+    make_tokenizer(path)
+    return load_model(path, torch.float32), Tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(*tiny, block_size=4, kv_cache_memory=1 << 24)
+    yield s
+    s.stop()
+
+
+def client(server) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def greedy(model, tok, text: str, n: int) -> list[int]:
+    return [s[0] for s in generate_ids(model, [tok.encode(text)], SamplingParams(temperature=0, max_tokens=n,
+                                                                                 ignore_eos=True))]
+
+
+def test_openai_client_completions_chat_streaming(server, tiny):
+    model, tok = tiny
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [NAME]
+    r = c.completions.create(model=NAME, prompt="hello world", max_tokens=6, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode(greedy(model, tok, "hello world", 6))
+    assert r.usage.prompt_tokens == len(tok.encode("hello world")) and r.usage.completion_tokens == 6
+    two = c.completions.create(model=NAME, prompt="the quick", max_tokens=5, n=2, temperature=1.0, seed=3,
+                               logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in two.choices) == [0, 1] and two.usage.completion_tokens == 10
+    # the legacy layout keys alternatives by their text: ids without text (this tiny vocabulary's last ones) collide
+    assert all(len(ch.logprobs.token_logprobs) == 5 and all(1 <= len(t) <= 2 for t in ch.logprobs.top_logprobs)
+               for ch in two.choices)
+    full = r.choices[0].text
+    cut = c.completions.create(model=NAME, prompt="hello world", max_tokens=6, temperature=0, stop=[full[2:4]],
+                               extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[: full.index(full[2:4])] and cut.choices[0].finish_reason == "stop"
+    chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                     temperature=0, logprobs=True, top_logprobs=3)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+    pieces, usage = [], None
+    for chunk in c.completions.create(model=NAME, prompt="hello world", max_tokens=6, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        pieces += [ch.text for ch in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(pieces) == full and usage.completion_tokens == 6
+    deltas = [ch.delta.content or "" for chunk in c.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stream=True)
+        for ch in chunk.choices]
+    assert "".join(deltas) == chat.choices[0].message.content
+
+
+def test_64_concurrent_streams_each_get_their_own_continuation(server, tiny):
+    model, tok = tiny
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+    prompts = [f"{words[i % 8]} {words[(i // 8) % 8]} {i}" for i in range(64)]
+    expected = [tok.decode(greedy(model, tok, p, 8)) for p in prompts]
+
+    async def one(c, p):
+        text = ""
+        stream = await c.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += "".join(ch.text for ch in chunk.choices)
+        return text
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
+    assert server.settled()
+
+
+def test_disconnects_free_every_block(server):
+    """500 requests, half of them dropped mid-stream or before their first token (streaming and not)."""
+    body = {"model": NAME, "prompt": "hello there world", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def one(http, i):
+        kind = i % 4
+        if kind == 3:  # completes normally
+            r = await http.post("/v1/completions", json={**body, "max_tokens": 3}, headers=headers)
+            return r.status_code
+        if kind == 2:  # non-streaming, client gives up before the answer
+            try:
+                await http.post("/v1/completions", json=body, headers=headers, timeout=0.05)
+            except httpx.TimeoutException:
+                return "dropped"
+            return "finished"
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
+            if kind == 1:  # reads one event, then leaves
+                async for _ in r.aiter_lines():
+                    break
+            return "dropped"  # kind 0: leaves before the first token
+
+    async def main():
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=30) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(500)))
+
+    results = asyncio.run(main())
+    assert results.count(200) == 125
+    assert server.settled(timeout=30)
+    assert client(server).completions.create(model=NAME, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("payload,status,words", [
+    (b"{not json", 400, "JSON"),
+    ({"model": "gpt-9", "prompt": "hi"}, 404, "gpt-9"),
+    ({"model": NAME}, 400, "prompt"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "temperature": -2}, 400, "temperature"),
+    ({"model": NAME, "prompt": "hi", "top_p": 3}, 400, "top_p"),
+    ({"model": NAME, "prompt": "hello " * 600}, 400, "context window"),
+    ({"model": NAME, "prompt": [5, 6, 100000]}, 400, "token id"),
+    ({"model": NAME, "prompt": "x" * (11 << 20)}, 413, "MiB"),
+])
+def test_bad_input_gets_an_openai_error(server, payload, status, words):
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    r = httpx.post(server.url + "/v1/completions", content=data, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert words in error["message"] and error["code"] == status
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_api_key_metrics_and_health(server):
+    r = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "hi"},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health").status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_sum", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert name in text, name
+    assert 'model_name="tiny"' in text
+
+
+def test_kv_pressure_preempts_and_all_complete_and_a_full_queue_says_retry(tiny):
+    model, tok = tiny
+    from leanlm.cache.paged import KVPool
+
+    blocks = 32  # one 60-token request needs ~20 blocks of 4: two running at once already overflow
+    s = Server(model, tok, block_size=4, kv_cache_memory=blocks * KVPool.bytes_per_block(model.config, 4, model.dtype),
+               max_requests=12)
+    try:
+        prompts = [f"hello world {i} the quick brown fox" for i in range(12)]
+        expected = [tok.decode(greedy(model, tok, p, 60)) for p in prompts]
+
+        async def main():
+            async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0) as c:
+                tasks = [c.completions.create(model=NAME, prompt=p, max_tokens=60, temperature=0,
+                                              extra_body={"ignore_eos": True}) for p in prompts]
+                done = asyncio.gather(*tasks)
+                while s.app.state.active < 12:  # every slot taken
+                    await asyncio.sleep(0.005)
+                async with httpx.AsyncClient(base_url=s.url) as http:
+                    busy = await http.post("/v1/completions", json={"model": NAME, "prompt": "x"},
+                                           headers={"Authorization": f"Bearer {KEY}"})
+                return await done, busy
+
+        results, busy = asyncio.run(main())
+        assert [r.choices[0].text for r in results] == expected
+        assert s.llm.engine.scheduler.num_preemptions > 0
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert s.settled()
+    finally:
+        s.stop()
+
+
+def test_leanlm_serve_drains_on_sigterm(tiny_dir):
+    """The CLI verb as deployed: SIGTERM mid-stream lets the stream finish, then the process exits."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from leanlm.cli import main; main()", "serve", str(tiny_dir),
+                             "--port", str(port), "--dtype", "float32", "--threads", "1", "--kv-cache-memory", "16MiB",
+                             "--served-model-name", NAME], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        stream = c.completions.create(model=NAME, prompt="hello", max_tokens=200, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = None
+        for i, chunk in enumerate(stream):
+            if i == 0:
+                proc.send_signal(signal.SIGTERM)
+            usage = chunk.usage or usage
+        assert usage.completion_tokens == 200  # the request in flight finished
+        # uvicorn re-raises the signal once drained: the process ends as terminated by SIGTERM, conventionally
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        proc.kill()

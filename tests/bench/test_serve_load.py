@@ -1,0 +1,38 @@
+import json
+
+import pytest
+
+from leanlm.bench.serve import RequestResult, _stats, parse_goodput, summarize
+from leanlm.errors import LeanLMError
+from tests.test_cli import leanlm
+
+
+def test_percentiles_are_nearest_rank_and_goodput_counts_requests_within_every_slo():
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    assert _stats(values) == {"mean": pytest.approx(50.5), "p50": pytest.approx(50), "p90": pytest.approx(90),
+                              "p99": pytest.approx(99)}
+    results = [RequestResult(True, 10, output_tokens=11, ttft=0.1 * k, latency=0.1 * k + 0.5) for k in (1, 2, 3)]
+    results.append(RequestResult(False, 10, error="HTTP 500"))
+    s = summarize(results, 2.0, parse_goodput(["ttft:250", "tpot:50"]))
+    assert s["failed"] == 1 and s["request_throughput"] == 1.5 and s["output_throughput"] == 16.5
+    assert s["tpot_ms"]["p50"] == pytest.approx(50)  # 0.5 s over 10 tokens after the first
+    assert s["goodput"] == 1.0  # ttft 0.1 and 0.2 s are within 250 ms, 0.3 s is not
+    with pytest.raises(LeanLMError, match="ttft, tpot or e2el"):
+        parse_goodput(["latency:3"])
+
+
+def test_bench_serve_measures_a_leanlm_server(tiny_dir, tmp_path):
+    png = tmp_path / "sweep.png"
+    r = leanlm("bench", "serve", tiny_dir, "--num-prompts", "12", "--input-len", "10", "--output-len", "6",
+               "--vocab", "120", "--sweep", "1,4", "--plot", png, "--goodput", "ttft:60000", "--json",
+               "--serve-args", "--dtype float32 --threads 1 --kv-cache-memory 16MiB")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["max_concurrency"] for row in rows] == [1, 4]
+    for row in rows:
+        assert row["failed"] == 0 and row["requests"] == 12
+        assert row["output_throughput"] == pytest.approx(12 * 6 / row["duration_s"])  # tokens from the usage
+        assert row["goodput"] == pytest.approx(row["request_throughput"])
+    assert png.stat().st_size > 10_000
+    r = leanlm("bench", "serve", "http://127.0.0.1:9", "--num-prompts", "1", "--model-name", "x")
+    assert r.returncode == 2 and "warm-up request failed" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,36 @@
+"""What every verb shares: the Typer app, the consoles, argument types, loading and failing."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="Make transformer language models cheap to run, and see what it costs.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+err = Console(stderr=True)
+# Piped or redirected, rich would fit tables to 80 columns by cutting cells (numbers too); print them whole.
+out = Console() if sys.stdout.isatty() else Console(width=200)
+
+Model = Annotated[str, typer.Argument(help="zoo name (see `leanlm pull --list`), HF model directory, or .gguf file")]
+DType = Annotated[str, typer.Option(help="weights/activations dtype: auto (bfloat16), float32, bfloat16, float16")]
+Device = Annotated[str, typer.Option(help="cpu or cuda (auto: cuda when present)")]
+Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: the fastest, found by a short probe)")]
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _load(model: str, dtype: str, device: str, threads: int | None, quiet: bool = False):
+    from leanlm.api import load
+    from leanlm.runtime import pick_threads
+
+    net, tok = load(model, dtype, device, progress=not quiet)
+    threads, _ = pick_threads(net, threads)
+    return net, tok, threads
+
+

@@ -1,0 +1,108 @@
+"""`leanlm quantize`, `leanlm export`: compress a model, write it for other runtimes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from leanlm.cli.common import DType, Model, _fail, app, err, out
+
+
+@app.command()
+def quantize(
+    model: Model,
+    method: Annotated[Optional[str], typer.Option(help="rtn, gptq, awq, smoothquant, llm_int8, fp8 (smooth, "
+                                                       "lm_head: for recipes); default rtn")] = None,
+    recipe: Annotated[Optional[Path], typer.Option(help="YAML list of steps applied in order, each a method and "
+                                                        "its options, e.g. `- method: smooth` then `- {method: rtn, "
+                                                        "bits: 8, act_bits: 8}`")] = None,
+    bits: Annotated[Optional[int], typer.Option(help="weight bits: 8 (per-channel int8) or 4 (int4 groups); "
+                                                    "default: the method's (rtn 8, gptq/awq 4)")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="int4 group size along K: 32, 64 or 128 (default; a "
+                                                          "layer whose K it does not divide gets the largest that does)")] = None,
+    act_bits: Annotated[Optional[int], typer.Option(help="rtn: 16 weight-only (default) or 8 (W8A8, per-token int8 "
+                                                        "activations)")] = None,
+    act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help="gptq: quantize columns by "
+                                                      "decreasing Hessian diagonal (default on)")] = None,
+    alpha: Annotated[Optional[float], typer.Option(help="smoothquant: migration strength in [0, 1] (default: each "
+                                                        "projection's own, searched on the calibration data)")] = None,
+    threshold: Annotated[Optional[float], typer.Option(help="llm_int8: |x| from which an input column stays in 16 "
+                                                            "bits (default 6.0)")] = None,
+    lm_head: Annotated[int, typer.Option(help="also quantize the output projection: 8 or 4 bits (16: leave it)")] = 16,
+    data: Annotated[Optional[Path], typer.Option(help="calibration text file or folder (default: built-in "
+                                                      "calibration split)")] = None,
+    samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
+    dtype: DType = "auto",
+) -> None:
+    """Quantize MODEL's decoder projections onto the runtime int8/int4/fp8 kernels and save it to -o DIR
+    (calibrated methods read --samples x --seq-len tokens of the calibration text)."""
+    from rich.progress import Progress
+
+    from leanlm.api import load
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.registry import apply, make_config, read_recipe
+    from leanlm.fetch import atomic_dir
+    from leanlm.models.zoo import resolve
+
+    options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order, "alpha": alpha,
+               "threshold": threshold}
+    if recipe is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None] + (["--method"] if method else [])
+        if given:
+            _fail(f"--recipe sets every option itself; drop {', '.join(given)}")
+        configs = read_recipe(recipe)
+    else:
+        configs = [make_config(method or "rtn", {k: v for k, v in options.items() if v is not None})]
+    if lm_head != 16:
+        configs.append(make_config("lm_head", {"bits": lm_head, "group_size": group_size or 128}))
+    if output.exists():
+        _fail(f"{output} already exists; choose a new output directory")
+    for name, value in (("samples", samples), ("seq-len", seq_len)):
+        if value < 1:
+            _fail(f"--{name} must be at least 1")
+    source = resolve(model)
+    if qformat.is_quantized(source):
+        _fail(f"{model} is already quantized; start from the float model")
+    net, tok = load(source, dtype, "cpu")
+    calibration = None
+    if any(getattr(c, "needs_data", False) for c in configs):
+        from leanlm.eval.datasets import calibration_samples, load_text
+
+        calibration = calibration_samples(tok.encode(load_text(data, split="calibration")), samples, seq_len)
+    records = {}
+    with Progress(console=err, transient=True) as bar:
+        for config in configs:
+            task = bar.add_task(config.name, total=sum(1 for _ in net.layers) * 4 if config.name != "lm_head" else 1)
+            records |= apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
+    with atomic_dir(output) as tmp:
+        qformat.save(net, records, configs, source, tmp)
+    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}, {len(records)} layers quantized)")
+
+
+@app.command()
+def export(
+    model: Annotated[Path, typer.Argument(help="a directory written by `leanlm quantize`")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
+) -> None:
+    """Write a quantized MODEL in the compressed-tensors layout that vLLM and transformers load (w4a16, w8a16,
+    w8a8 and fp8 layers; the integer codes are kept as they are)."""
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.quant.export import export as write
+    from leanlm.fetch import atomic_dir
+    from leanlm.models.loading import load_model
+
+    if not qformat.is_quantized(model):
+        _fail(f"{model} is not a directory written by `leanlm quantize`")
+    if output.exists():
+        _fail(f"{output} already exists; choose a new output directory")
+    record = json.loads((model / qformat.RECORD).read_text())
+    net = load_model(model, record["dtype"])  # the 16-bit parts as they were saved
+    with atomic_dir(output) as tmp:
+        qconfig = write(net, model, tmp)
+    groups = ", ".join(f"{len(g['targets'])} {g['format']}" for g in qconfig["config_groups"].values())
+    out.print(f"{model} -> {output} (compressed-tensors: {groups} layers)")

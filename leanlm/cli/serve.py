@@ -1,0 +1,96 @@
+"""`leanlm serve` (the OpenAI-compatible server) and `leanlm bench serve` (load against any such server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from leanlm.cli.common import DType, Device, Model, Threads, app, err, out
+
+
+@app.command()
+def serve(
+    model: Model,
+    host: Annotated[str, typer.Option(help="address to bind (loopback unless you mean to expose it)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="require `Authorization: Bearer KEY` on /v1/ routes")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: MODEL)")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="most sequences decoded together")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step (prompt chunks fill it)")] = 1024,
+    kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "2GiB",
+    max_requests: Annotated[int, typer.Option(help="requests in progress beyond which new ones get 503")] = 512,
+    prompt_lookup: Annotated[int, typer.Option(help="prompt-lookup speculation with n-grams up to N (0: off)")] = 0,
+    deterministic: Annotated[bool, typer.Option(help="outputs independent of batching, chunking, speculation")] = False,
+    compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs (each "
+                                          "batch-size bucket compiles once, ~1 min)")] = False,
+    dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics). SIGTERM drains requests in flight, then exits."""
+    from leanlm.engine import AsyncLLM
+    from leanlm.serve import serve as run_server
+
+    llm = AsyncLLM(model, dtype=dtype, device=device, threads=threads, kv_cache_memory=kv_cache_memory,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   prompt_lookup=prompt_lookup, deterministic=deterministic, compile=compile)
+    run_server(llm, served_model_name or model, host, port, api_key, max_requests)
+
+
+@app.command("bench-serve", hidden=True)  # `leanlm bench serve ...` (main() rewrites it to this verb)
+def bench_serve(
+    target: Annotated[str, typer.Argument(help="a server's base URL (http://HOST:PORT), or a MODEL to serve with "
+                                               "`leanlm serve` on a free loopback port for the run")],
+    num_prompts: Annotated[int, typer.Option(help="requests per run")] = 100,
+    input_len: Annotated[int, typer.Option(help="prompt tokens (random ids, sent as token ids)")] = 256,
+    output_len: Annotated[int, typer.Option(help="output tokens (ignore_eos)")] = 128,
+    request_rate: Annotated[float, typer.Option(help="requests per second (inf: all at once)")] = float("inf"),
+    burstiness: Annotated[float, typer.Option(help="gamma shape of the arrival gaps (1: Poisson)")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option(help="most requests in flight")] = None,
+    sweep: Annotated[Optional[str], typer.Option(help="run once per concurrency, e.g. 1,2,4,8,16,32")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="with --sweep: write the throughput-vs-latency PNG here")] = None,
+    goodput: Annotated[Optional[list[str]], typer.Option(help="SLO in ms, repeatable: ttft:500, tpot:100, e2el:2000")] = None,
+    warmup: Annotated[int, typer.Option(help="requests sent (one at a time) before measuring")] = 1,
+    model_name: Annotated[Optional[str], typer.Option(help="model name to send (default: the server's first)")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="Bearer key for the server")] = None,
+    vocab: Annotated[int, typer.Option(help="random prompt ids are drawn below this")] = 32000,
+    serve_args: Annotated[str, typer.Option(help="with a MODEL: extra `leanlm serve` options")] = "",
+    seed: Annotated[int, typer.Option(help="seed of prompts and arrival times")] = 0,
+    json_: Annotated[bool, typer.Option("--json", help="print the summaries as JSON")] = False,
+) -> None:
+    """Load-test an OpenAI-compatible server: throughput, TTFT/TPOT/ITL/E2E percentiles, goodput (a sweep over
+    concurrency gives the curve capacity planning needs)."""
+    import asyncio
+    import contextlib
+    import shlex
+
+    from rich.progress import Progress
+
+    from leanlm.bench.serve import (LocalServer, parse_goodput, plot_sweep, random_prompts, run_load, served_model,
+                                    summarize, table)
+
+    slos = parse_goodput(goodput or [])
+    levels = [int(x) for x in sweep.split(",")] if sweep else [max_concurrency]
+    prompts = random_prompts(num_prompts + warmup, input_len, vocab, seed)
+    remote = target.startswith(("http://", "https://"))
+    server = contextlib.nullcontext() if remote else LocalServer(target, model_name or target, shlex.split(serve_args))
+    rows = []
+    with server as local:
+        url = target if remote else local.url
+        name = model_name or served_model(url, api_key)
+        for level in levels:
+            with Progress(console=err, transient=True, disable=json_) as bar:
+                task = bar.add_task(f"concurrency {level or 'unbounded'}", total=num_prompts)
+                results, seconds = asyncio.run(run_load(
+                    url, name, prompts[warmup:], output_len, request_rate, burstiness, level, api_key, warmup, seed,
+                    progress=lambda: bar.advance(task)))
+            rows.append({**summarize(results, seconds, slos), "max_concurrency": level, "rate": request_rate,
+                         "input_len": input_len, "output_len": output_len, "model": name, "url": url})
+    if plot and sweep:
+        plot_sweep({name: rows}, str(plot))
+    if json_:
+        print(json.dumps(rows if sweep else rows[0]))
+    else:
+        out.print(table(rows), highlight=False, markup=False)

@@ -131,9 +131,9 @@ class BlockManager:
         return block
 
     def allocate(self, seq: HasBlocks, reserve: int = 0) -> bool:
-        """Blocks for all of seq's tokens, reusing the longest cached prefix (never the block of the last token,
-        which must be computed to give logits). False, with nothing taken, if fewer than `reserve` blocks would
-        be left free."""
+        """Admit seq: take the longest cached prefix of its tokens (never the block of the last token, which must be
+        computed to give logits); the rest come with `grow`, chunk by chunk. False, with nothing taken, if all its
+        tokens would leave fewer than `reserve` blocks free."""
         bs, tokens = self.block_size, seq.token_ids
         hits, keys, key = [], [], None
         if self.prefix_caching:
@@ -150,19 +150,23 @@ class BlockManager:
             if self.ref[block] == 0:
                 del self.free[block]
             self.ref[block] += 1
-        seq.block_table = hits + [self._take() for _ in range(fresh)]
+        seq.block_table = hits
         seq.block_keys, seq.num_cached = keys, len(hits) * bs
         self.queries += len(tokens)
         self.hits += seq.num_cached
         return True
 
-    def append(self, seq: HasBlocks, extra: int = 0) -> bool:
-        """Room for the token fed next and `extra` after it; False (nothing taken) if not enough blocks are free."""
-        need = cdiv(len(seq.token_ids) + extra, self.block_size) - len(seq.block_table)
+    def grow(self, seq: HasBlocks, num_tokens: int) -> bool:
+        """Room for seq's first num_tokens tokens; False (nothing taken) if not enough blocks are free."""
+        need = cdiv(num_tokens, self.block_size) - len(seq.block_table)
         if need > len(self.free):
             return False
         seq.block_table += [self._take() for _ in range(need)]
         return True
+
+    def room(self, seq: HasBlocks) -> int:
+        """Tokens seq could hold with its blocks and every free one."""
+        return (len(seq.block_table) + len(self.free)) * self.block_size
 
     def commit(self, seq: HasBlocks, num_computed: int) -> None:
         """Register the full blocks whose keys and values are now computed, so later prompts can reuse them."""

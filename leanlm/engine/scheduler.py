@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from leanlm.cache.paged import BlockManager
+from leanlm.cache.paged import BlockManager, cdiv
 from leanlm.engine.sequence import Sequence
 
 
@@ -34,9 +34,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq.remaining != 1 or seq not in self.running:  # prefilling, or preempted in this loop
                 continue
-            if seq.proposal and not (len(seq.proposal) < budget and self.blocks.append(seq, len(seq.proposal))):
+            if seq.proposal and not (len(seq.proposal) < budget and self.blocks.grow(seq, len(seq.token_ids) +
+                                                                                     len(seq.proposal))):
                 seq.proposal = []  # no room to speculate: a plain decode
-            while not self.blocks.append(seq):
+            while not self.blocks.grow(seq, len(seq.token_ids)):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -45,19 +46,27 @@ class Scheduler:
                 batch.append((seq, 1 + len(seq.proposal)))
                 budget -= batch[-1][1]
         batch.sort(key=lambda item: item[1] > 1)  # single tokens first: attention batches them (stable sort)
-        for seq in self.running:  # prompts admitted in earlier steps continue
-            if seq.remaining > 1 and budget > 0:
-                batch.append((seq, min(seq.remaining, budget)))
-                budget -= batch[-1][1]
+        for seq in self.running:  # prompts admitted in earlier steps continue, as far as blocks allow
+            n = min(seq.remaining, budget, self.blocks.room(seq) - seq.num_computed)
+            if seq.remaining > 1 and n > 0:
+                self.blocks.grow(seq, seq.num_computed + n)
+                batch.append((seq, n))
+                budget -= n
+        # admitted prompts get their blocks chunk by chunk: a new one must leave room for what they still need
+        owed = sum(cdiv(len(s.token_ids), self.blocks.block_size) - len(s.block_table) for s in self.running
+                   if s.remaining > 1)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.allocate(seq, reserve=self.watermark if self.running else 0):
+            if not self.blocks.allocate(seq, reserve=owed + (self.watermark if self.running else 0)):
                 break
             self.waiting.popleft()
             seq.num_computed = seq.num_cached
             self.running.append(seq)
-            batch.append((seq, min(seq.remaining, budget)))
-            budget -= batch[-1][1]
+            n = min(seq.remaining, budget)
+            self.blocks.grow(seq, seq.num_computed + n)  # allocate() saw room for the whole prompt
+            owed += cdiv(len(seq.token_ids), self.blocks.block_size) - len(seq.block_table)
+            batch.append((seq, n))
+            budget -= n
         return batch
 
     def preempt(self, seq: Sequence) -> None:

@@ -22,16 +22,18 @@ class Seq:
 def test_prefix_reuse_and_lru_eviction():
     bm = BlockManager(num_blocks=6, block_size=4)
     a = Seq(list(range(10)))  # blocks: [0..3] [4..7] [8, 9]
-    assert bm.allocate(a) and len(a.block_table) == 3 and a.num_cached == 0
+    assert bm.allocate(a) and a.block_table == [] and a.num_cached == 0  # blocks come chunk by chunk
+    assert bm.grow(a, 10) and len(a.block_table) == 3
     bm.commit(a, 10)
     b = Seq(list(range(8)) + [50, 51, 52])  # shares two full blocks
-    assert bm.allocate(b) and b.num_cached == 8 and b.block_table[:2] == a.block_table[:2]
+    assert bm.allocate(b) and b.num_cached == 8 and b.block_table == a.block_table[:2]
+    assert bm.grow(b, 11) and len(b.block_table) == 3
     assert [bm.ref[x] for x in a.block_table] == [2, 2, 1]
     bm.release(a)
     bm.release(b)
     assert bm.num_free == 6 and all(r == 0 for r in bm.ref)
     c = Seq(list(range(8)) + [7])  # found again after both were freed
-    assert bm.allocate(c) and c.num_cached == 8
+    assert bm.allocate(c) and c.num_cached == 8 and bm.grow(c, 9)
     # a prompt that is exactly its cached blocks still computes its last block: the last token's logits are needed
     d = Seq(list(range(8)))
     assert bm.allocate(d) and d.num_cached == 4
@@ -40,11 +42,11 @@ def test_prefix_reuse_and_lru_eviction():
 def test_eviction_forgets_overwritten_blocks():
     bm = BlockManager(num_blocks=2, block_size=2)
     a = Seq([1, 2, 3, 4])
-    assert bm.allocate(a)
+    assert bm.allocate(a) and bm.grow(a, 4)
     bm.commit(a, 4)
     bm.release(a)
     b = Seq([9, 9, 9, 9])  # takes both blocks back: the old keys must go
-    assert bm.allocate(b) and not bm.cached
+    assert bm.allocate(b) and bm.grow(b, 4) and not bm.cached
     bm.release(b)
     c = Seq([1, 2, 3, 4, 5])
     assert not bm.allocate(c)  # needs 3 blocks; nothing taken
@@ -54,7 +56,7 @@ def test_eviction_forgets_overwritten_blocks():
 def test_fork_shares_full_blocks_and_copies_the_partial_one():
     bm = BlockManager(num_blocks=8, block_size=4)
     parent, child = Seq(list(range(10))), Seq(list(range(10)))
-    assert bm.allocate(parent)
+    assert bm.allocate(parent) and bm.grow(parent, 10)
     copies = bm.fork(parent, child)
     assert child.block_table[:2] == parent.block_table[:2] and child.block_table[2] != parent.block_table[2]
     assert copies == [(parent.block_table[2], child.block_table[2])]
@@ -72,12 +74,14 @@ def test_random_workload_leaks_no_block():
         if op < 0.35:
             prefix = rng.choice([[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4]])
             s = Seq(prefix + [rng.randrange(100) for _ in range(rng.randrange(1, 20))])
-            if bm.allocate(s, reserve=rng.randrange(3)):
+            if bm.allocate(s, reserve=rng.randrange(3)) and bm.grow(s, len(s.token_ids)):
                 live.append(s)
+            else:
+                bm.release(s)  # admitted but no room for its tokens after all
         elif op < 0.7 and live:
             s = rng.choice(live)
             s.token_ids.append(rng.randrange(100))
-            if bm.append(s):
+            if bm.grow(s, len(s.token_ids)):
                 bm.commit(s, len(s.token_ids) - 1)
             else:  # preempted: everything it held goes back
                 bm.release(s)

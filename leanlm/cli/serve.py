@@ -26,6 +26,9 @@ def serve(
     deterministic: Annotated[bool, typer.Option(help="outputs independent of batching, chunking, speculation")] = False,
     compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs (each "
                                           "batch-size bucket compiles once, ~1 min)")] = False,
+    replicas: Annotated[int, typer.Option(help="engine replicas behind one endpoint on Ray Serve (leanlm[ray])")] = 1,
+    ray_address: Annotated[Optional[str], typer.Option(help="with --replicas: an existing Ray cluster (default: a "
+                                                            "local instance)")] = None,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -33,9 +36,18 @@ def serve(
     from leanlm.engine import AsyncLLM
     from leanlm.serve import serve as run_server
 
-    llm = AsyncLLM(model, dtype=dtype, device=device, threads=threads, kv_cache_memory=kv_cache_memory,
-                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                   prompt_lookup=prompt_lookup, deterministic=deterministic, compile=compile)
+    options = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, prompt_lookup=prompt_lookup,
+                   deterministic=deterministic, compile=compile)
+    if replicas > 1 or ray_address:
+        from leanlm.serve.ray import serve_replicas
+
+        if threads is not None:
+            options["threads"] = threads
+        serve_replicas(model, served_model_name or model, replicas, host, port, api_key, max_requests, options,
+                       ray_address)
+        return
+    llm = AsyncLLM(model, threads=threads, **options)
     run_server(llm, served_model_name or model, host, port, api_key, max_requests)
 
 

@@ -76,10 +76,13 @@ class StepCompiler:
 
     def __init__(self, model: torch.nn.Module, fn):
         """`model` must not change (weights, dtype, modules) once compiled."""
-        self.model = model
+        self.model, self.step = model, fn
         self._plans: dict[tuple, _Plan | None] = {}
+        self._compiled: dict[tuple, object] = {}  # key -> its own torch.compile'd copy of fn
         self._captured: tuple | None = None
-        options = dict(INDUCTOR_OPTIONS[model.device.type])
+
+    def _compile(self):
+        options = dict(INDUCTOR_OPTIONS[next(self.model.parameters()).device.type])
 
         def backend(gm, example_inputs):
             from torch._inductor import compile as inductor_compile
@@ -88,18 +91,20 @@ class StepCompiler:
             self._captured = compiled, list(example_inputs)
             return compiled
 
-        # Dynamo keeps its graphs per code object; a copy of fn's code for each compiler makes each compile (and
-        # capture) its own graph, so two models of equal shapes never run each other's.
-        step = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-        self.fn = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+        # Dynamo keeps its graphs per code object: a copy of the step's code per key compiles (and captures) each
+        # graph once, never as a recompile of another (Dynamo stops a code object after 8: the engine has 9 batch
+        # buckets), and two models of equal shapes never run each other's.
+        step = types.FunctionType(self.step.__code__.replace(), self.step.__globals__, self.step.__name__)
+        return torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
 
     def __call__(self, key: tuple, inputs: dict) -> torch.Tensor:
         """inputs: fn's parameters by name (Dynamo takes them as keywords, a plan fills its input list from them)."""
         if key in self._plans:
             plan = self._plans[key]
-            return plan.run(inputs) if plan is not None else self.fn(self.model, **inputs)
+            return plan.run(inputs) if plan is not None else self._compiled[key](self.model, **inputs)
         self._captured = None
-        out = self.fn(self.model, **inputs)
+        self._compiled[key] = self._compile()
+        out = self._compiled[key](self.model, **inputs)
         captured, self._captured = self._captured, None  # the graph's example inputs hold this call's tensors
         self._plans[key] = _Plan.make(*captured, inputs, self.model) if captured is not None else None
         return out

@@ -66,10 +66,26 @@ def test_later_steps_skip_dynamo_and_read_the_callers_cache(tmp_path):
     def no_dynamo(*args):
         raise AssertionError("Dynamo entered after the first step")
 
-    compiled.compiler.fn = no_dynamo
+    compiled.compiler._compiled = {key: no_dynamo for key in compiled.compiler._compiled}
     for _ in range(3):
         for i in (0, 1):
             logits_e, logits_c = decode_step(model, eager[i][1], toks[i]), compiled.decode_step(caches[i], toks[i])
             assert torch.allclose(logits_c, logits_e, atol=1e-4)
             toks[i] = logits_e.argmax(-1)
     assert all(c.length == e.length for c, (_, e) in zip(caches, eager))
+
+
+def _double(model, x):
+    return model(x) * 2
+
+
+def test_step_compiler_compiles_more_shapes_than_dynamos_recompile_limit():
+    """Each key gets its own compiled copy: the engine's 9 batch buckets once failed at Dynamo's limit of 8."""
+    from leanlm.generation.compiled import StepCompiler
+
+    model = torch.nn.Linear(4, 3)
+    compiler = StepCompiler(model, _double)
+    with torch.inference_mode():
+        for rows in range(1, 11):
+            x = torch.randn(rows, 4)
+            assert torch.allclose(compiler((rows,), dict(x=x)), model(x) * 2, atol=1e-6)

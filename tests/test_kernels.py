@@ -116,16 +116,25 @@ def test_kernels_run_inside_a_compiled_graph():
     assert torch.equal(fn(x), ops.int8_gemv(x.bfloat16(), w, scale).relu())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype):
-    """Each sequence's query against the keys and values its block table names, by the definition."""
+@pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                                        (torch.bfloat16, True)])
+def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype, int8):
+    """Each sequence's query against the keys and values its block table names, by the definition (an int8 pool:
+    codes times their scale per slot and kv head)."""
+    from leanlm.compress.quant.kv import quantize_per_token
+
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, D, bs, blocks = 5, 6, 2, 64, 4, 45
     q = torch.randn(B, H, D, generator=g).to(dtype)
     k, v = (torch.randn(blocks * bs, Hkv, D, generator=g).to(dtype) for _ in range(2))
     lens = torch.tensor([1, 4, 5, 17, 33], dtype=torch.int32)
     tables = torch.randperm(blocks, generator=g)[: B * 9].view(B, 9).int()
-    out = ops.paged_attention(q, k, v, tables, lens, bs)
+    pool = k, v
+    if int8:
+        (kq, ks), (vq, vs) = quantize_per_token(k), quantize_per_token(v)
+        pool = kq, vq, ks, vs
+        k, v = kq.float() * ks, vq.float() * vs  # the reference reads what the pool holds
+    out = ops.paged_attention(q, *pool[:2], tables, lens, bs, *pool[2:])
     for b in range(B):
         slots = (tables[b].long()[:, None] * bs + torch.arange(bs)).flatten()[: lens[b]]
         kb, vb = k[slots].float().repeat_interleave(H // Hkv, 1), v[slots].float().repeat_interleave(H // Hkv, 1)
@@ -133,4 +142,4 @@ def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype):
         expected = torch.einsum("hs,shd->hd", probs, vb)
         assert (out[b].float() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
     with pytest.raises(RuntimeError, match="length"):
-        ops.paged_attention(q, k, v, tables, torch.tensor([1, 2, 3, 4, 99], dtype=torch.int32), bs)
+        ops.paged_attention(q, *pool[:2], tables, torch.tensor([1, 2, 3, 4, 99], dtype=torch.int32), bs, *pool[2:])

@@ -34,7 +34,7 @@ class PagedStep:
     """The KVCache the model sees in an engine step (`attend` replaces update + attention).
 
     Sequences that feed one token (decodes) come first and are attended to in one call: leanlm's paged-attention
-    kernel reads their keys and values in place through the block tables (CPU, 16/32-bit pool), or elsewhere a
+    kernel reads their keys and values in place through the block tables (CPU; int8 pools too), or elsewhere a
     gather into a padded, masked [B, S] batch. Each longer chunk (a prompt) runs causal SDPA over its gathered
     context: its T queries share one gather."""
 
@@ -59,7 +59,7 @@ class PagedStep:
             row += n
         self.slot_mapping = torch.cat(new_slots)  # [N] where each new token's key and value go
         on_cpu = pool.k[0].device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
-        self.kernel = kernels.ops() if on_cpu and not pool.int8 else None
+        self.kernel = kernels.ops() if on_cpu else None
 
     def attention_mask(self, T: int):
         return None, False
@@ -83,8 +83,10 @@ class PagedStep:
     def _decodes(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D]"""
         if self.kernel is not None:
-            return self.kernel.paged_attention(q.contiguous(), self.pool.k[layer], self.pool.v[layer], self.tables,
-                                               self.lens, self.pool.block_size)
+            pool = self.pool
+            scales = (pool.k_scale[layer], pool.v_scale[layer]) if pool.int8 else (None, None)
+            return self.kernel.paged_attention(q.contiguous(), pool.k[layer], pool.v[layer], self.tables, self.lens,
+                                               pool.block_size, *scales)
         bs, (B, width) = self.pool.block_size, self.tables.shape
         position = torch.arange(width * bs, device=q.device)[None]  # [1, S]
         mask = position < self.lens[:, None]

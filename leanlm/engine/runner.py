@@ -30,8 +30,8 @@ class Runner:
         self.model, self.pool, self.compiled = model, pool, compiled
         self.deterministic, self.scratch = deterministic, scratch
         if deterministic and PagedStep(pool, [[0]], [0], [1], model.device).kernel is None:
-            raise LeanLMError("deterministic mode needs leanlm's paged-attention kernel: a CPU model with a 16- or "
-                              "32-bit KV cache, and a C++ compiler to build the kernel")
+            raise LeanLMError("deterministic mode needs leanlm's paged-attention kernel: a CPU model (float32 or "
+                              "bfloat16) and a C++ compiler to build the kernel")
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:

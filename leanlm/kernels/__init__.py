@@ -11,7 +11,7 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
     y = ops.int8_gemv_q8(xq, xs, w, scale)  # x = xq [M, K] int8 * xs [M]; scale [N] float32 (W8A8)
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
-    o = ops.paged_attention(q, k, v, tables, lens, block_size)  # decode attention over a paged KV pool (engine)
+    o = ops.paged_attention(q, k, v, tables, lens, block_size[, k_scale, v_scale])  # decode attention, paged KV
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _loaded: dict[str, object] = {}  # variant -> op namespace or None (a plain dict
 def build(variant: str = "native"):
     """Compile and load cpu.cpp once per process; return its op namespace, or None if it cannot be built here.
     variant: "native" (the best loops for this CPU), or, for tests, "avx2" (the AVX2 loops even on an AVX-512
-    CPU; namespace leanlm_avx2) and "portable" (the plain loops; leanlm_portable)."""
+    CPU; namespace leanlm_avx2_*) and "portable" (the plain loops; leanlm_portable_*)."""
     if variant not in _loaded:
         _loaded[variant] = _build(variant)
     return _loaded[variant]
@@ -55,7 +55,10 @@ def _build(variant: str):
         except ImportError:
             pass
 
-    name = "leanlm" if variant == "native" else f"leanlm_{variant}"
+    # the source's hash in the op namespace: compiled graphs that call these ops are cached on disk by inductor,
+    # keyed by the graph; a graph calling an op whose signature changed crashed. A new source is a new namespace.
+    source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
+    name = f"leanlm_{source}" if variant == "native" else f"leanlm_{variant}_{source}"
     flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}", *VARIANTS[variant]]
     # torch reuses a cached build whose sources and flags match, and "-march=native" reads the same on every CPU:
     # a build from an AVX-512 machine would crash (illegal instruction) on an AVX2 one sharing the cache
@@ -77,7 +80,7 @@ def _build(variant: str):
 
 
 def ops():
-    """leanlm's kernel ops (torch.ops.leanlm), or None where they cannot be built."""
+    """leanlm's kernel ops (torch.ops.leanlm_<source hash>), or None where they cannot be built."""
     return build()
 
 

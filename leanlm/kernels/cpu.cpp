@@ -474,6 +474,12 @@ inline f32x16 load16(const bf16* p) {  // bf16 is the top half of a float32
 }
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+inline f32x16 load16(const int8_t* p) {  // int8 codes (a quantized KV cache); the caller applies the scale
+  i8x16 c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, f32x16);
+}
 inline float sum16(f32x16 v) {  // halves added in a tree: 4 shuffles and 4 adds, not 15 dependent scalar adds
   const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -481,9 +487,11 @@ inline float sum16(f32x16 v) {  // halves added in a tree: 4 shuffles and 4 adds
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-template <typename T>
-void paged_attention_impl(const T* q, const T* k, const T* v, const int32_t* tables, const int32_t* lens, T* out,
-                          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t bs) {
+// T: q and out (float or bf16); S: the pool's entries (T, or int8 codes with float scales per (slot, kv head))
+template <typename T, typename S>
+void paged_attention_impl(const T* q, const S* k, const S* v, const float* ks, const float* vs, const int32_t* tables,
+                          const int32_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                          int64_t max_blocks, int64_t bs) {
   const int64_t G = H / Hkv, V = D / 16, slot = Hkv * D;
   const float scale = 1.f / std::sqrt(float(D));
   // A work item reads whole slots (every kv head of a token: one contiguous run per block), which the hardware
@@ -495,25 +503,30 @@ void paged_attention_impl(const T* q, const T* k, const T* v, const int32_t* tab
     std::vector<float> scores;
     float total[kMaxVectors];
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / split, h0 = w % split * heads, S = lens[b], n = heads * G * V;  // n query vectors
+      const int64_t b = w / split, h0 = w % split * heads, L = lens[b], n = heads * G * V;  // n query vectors
       const int32_t* table = tables + b * max_blocks;
-      scores.resize(heads * G * S);
+      scores.resize(heads * G * L);
       for (int64_t i = 0; i < n; ++i) qv[i] = load16(q + (b * H + h0 * G) * D + i * 16) * scale;
       for (int64_t i = 0; i < n; ++i) acc[i] = f32x16{};
-      for (const T* base : {k, v}) {
-        for (int64_t blk = 0; blk * bs < S; ++blk) {
-          const T* rows = base + int64_t(table[blk]) * bs * slot + h0 * D;
-          if ((blk + 1) * bs < S) __builtin_prefetch(base + int64_t(table[blk + 1]) * bs * slot + h0 * D);
-          for (int64_t t = blk * bs; t < std::min(S, (blk + 1) * bs); ++t, rows += slot) {
+      for (const S* base : {k, v}) {
+        const float* scales = base == k ? ks : vs;
+        for (int64_t blk = 0; blk * bs < L; ++blk) {
+          const S* rows = base + int64_t(table[blk]) * bs * slot + h0 * D;
+          if ((blk + 1) * bs < L) __builtin_prefetch(base + int64_t(table[blk + 1]) * bs * slot + h0 * D);
+          for (int64_t t = blk * bs; t < std::min(L, (blk + 1) * bs); ++t, rows += slot) {
             for (int64_t h = 0; h < heads; ++h) {
               for (int64_t j = 0; j < V; ++j) row[j] = load16(rows + h * D + j * 16);
+              if (scales) {
+                const float scale = scales[(int64_t(table[blk]) * bs + t - blk * bs) * Hkv + h0 + h];
+                for (int64_t j = 0; j < V; ++j) row[j] *= scale;
+              }
               for (int64_t g = h * G; g < (h + 1) * G; ++g) {
                 if (base == k) {
                   f32x16 a = qv[g * V] * row[0];
                   for (int64_t j = 1; j < V; ++j) a += qv[g * V + j] * row[j];
-                  scores[g * S + t] = sum16(a);
+                  scores[g * L + t] = sum16(a);
                 } else {
-                  const float p = scores[g * S + t];
+                  const float p = scores[g * L + t];
                   for (int64_t j = 0; j < V; ++j) acc[g * V + j] += p * row[j];
                 }
               }
@@ -522,10 +535,10 @@ void paged_attention_impl(const T* q, const T* k, const T* v, const int32_t* tab
         }
         if (base == v) break;
         for (int64_t g = 0; g < heads * G; ++g) {  // softmax numerators in place; their sums divide at the end
-          float* sg = scores.data() + g * S;
-          const float m = *std::max_element(sg, sg + S);
+          float* sg = scores.data() + g * L;
+          const float m = *std::max_element(sg, sg + L);
           float sum = 0.f;
-          for (int64_t t = 0; t < S; ++t) sum += (sg[t] = std::exp(sg[t] - m));
+          for (int64_t t = 0; t < L; ++t) sum += (sg[t] = std::exp(sg[t] - m));
           total[g] = sum;
         }
       }
@@ -538,13 +551,22 @@ void paged_attention_impl(const T* q, const T* k, const T* v, const int32_t* tab
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
-                           const at::Tensor& lens, int64_t block_size) {
+                           const at::Tensor& lens, int64_t block_size, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
                   q.size(1) % k.size(1) == 0,
               "paged_attention wants q [B, H, D] and k, v [slots, Hkv, D] with H a multiple of Hkv");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "paged_attention wants q, k, v all float32 or all bfloat16");
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  (int8 || k.scalar_type() == q.scalar_type()) && v.scalar_type() == k.scalar_type(),
+              "paged_attention wants q float32 or bfloat16, and k, v of q's dtype or int8");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "paged_attention: int8 k, v need k_scale and "
+              "v_scale (float32 [slots, Hkv, 1]), and only they do");
+  if (int8)
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
+                    k_scale->numel() == k.size(0) * k.size(1) && v_scale->numel() == k_scale->numel() &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous(),
+                "paged_attention wants contiguous float32 scales [slots, Hkv, 1]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "paged_attention wants contiguous q, k, v");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(1) * q.size(2) / 16 <= kMaxVectors && k.size(2) / 16 <= kMaxVectors / 4,
               "paged_attention wants head_dim a multiple of 16 and heads x head_dim <= 4096");
@@ -556,13 +578,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * block_size, "paged_attention: length ", lp[b],
                 " of sequence ", b, " is not in [1, ", tables.size(1) * block_size, "]");
   at::Tensor out = at::empty_like(q);
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2);
-  if (q.scalar_type() == at::kFloat)
-    paged_attention_impl(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables.data_ptr<int32_t>(),
-                         lp, out.data_ptr<float>(), B, H, Hkv, D, tables.size(1), block_size);
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2), W = tables.size(1);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
+  auto run = [&](auto* qp, auto* kp, auto* vp) {  // out has q's dtype
+    auto* op = out.data_ptr<std::remove_pointer_t<decltype(qp)>>();
+    paged_attention_impl(qp, kp, vp, ks, vs, tp, lp, op, B, H, Hkv, D, W, block_size);
+  };
+  if (q.scalar_type() == at::kFloat && int8)
+    run(q.data_ptr<float>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>());
+  else if (q.scalar_type() == at::kFloat)
+    run(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>());
+  else if (int8)
+    run(q.data_ptr<bf16>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>());
   else
-    paged_attention_impl(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), tables.data_ptr<int32_t>(), lp,
-                         out.data_ptr<bf16>(), B, H, Hkv, D, tables.size(1), block_size);
+    run(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>());
   return out;
 }
 
@@ -575,7 +606,8 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
-  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {

@@ -301,3 +301,16 @@ def test_stop_token_ids_and_min_tokens(tiny):
         engine.step()
     assert stopped.output_ids == [first] and stopped.finish_reason == "stop"
     assert first not in held.output_ids[:3] and len(held.output_ids) >= 3
+
+
+def test_int8_kv_pool_equals_one_by_one_with_the_int8_static_cache(tiny):
+    from leanlm.compress.quant.kv import Int8KVCache
+
+    model, tok = tiny
+    ps = prompts(8, seed=11)
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, kv_cache_dtype="int8", max_num_batched_tokens=32)
+    seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps)]
+    while engine.has_work:
+        engine.step()
+    expected = [[s[0] for s in generate_ids(model, [p], GREEDY, cache_cls=Int8KVCache)] for p in ps]
+    assert [s.output_ids for s in seqs] == expected

@@ -27,6 +27,10 @@ from leanlm.serve.protocol import ChatCompletionRequest, CompletionRequest, erro
 MAX_BODY = 10 << 20  # bytes of a request body
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread died: a 500, not the client's fault."""
+
+
 class _Completion:
     """One choice as it grows: text, token count, logprobs, finish reason, timings for the metrics."""
 
@@ -63,7 +67,7 @@ class _Run:
             while self.left:
                 delta = await self.queue.get()
                 if isinstance(delta, BaseException):
-                    raise LeanLMError(f"the engine failed: {delta}")
+                    raise EngineFailed(f"the engine failed: {delta}")
                 i = self.index(delta)
                 self._record(self.choices[i], delta)
                 self.left -= delta.finish_reason is not None
@@ -132,6 +136,10 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     @app.exception_handler(LeanLMError)
     async def refused(request: Request, exc: LeanLMError):
         return fail(str(exc))
+
+    @app.exception_handler(EngineFailed)
+    async def broken(request: Request, exc: EngineFailed):
+        return fail(str(exc), 500, "server_error")
 
     @app.get("/health")
     async def health():
@@ -240,7 +248,7 @@ def _sse(run: _Run, head: dict, body, choice) -> StreamingResponse:
                 yield f"data: {json.dumps({**head, 'choices': [choice(i, delta)]})}\n\n"
             if body.stream_options and body.stream_options.include_usage:
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': run.usage()})}\n\n"
-        except LeanLMError as e:
+        except EngineFailed as e:
             yield f"data: {json.dumps(error_body(str(e), 'server_error', 500))}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -276,3 +276,18 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
         assert proc.wait(30) in (0, -signal.SIGTERM)
     finally:
         proc.kill()
+
+
+def test_an_engine_failure_is_a_500_and_health_says_so(tiny):
+    s = Server(*tiny, kv_cache_memory=1 << 24)
+    try:
+        def broken():
+            raise RuntimeError("boom")
+
+        s.llm.engine.step = broken
+        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 3},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 503
+    finally:
+        s.stop()

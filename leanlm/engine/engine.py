@@ -122,7 +122,8 @@ class Engine:
         if plain:
             seqs, rows = self._fork(plain)
             histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in seqs]
-            tokens, logprobs = sample_rows(logits[rows], [s.params for s in seqs], [s.generator for s in seqs],
+            picked = logits if rows == list(range(len(logits))) else logits[rows]  # no copy in the common case
+            tokens, logprobs = sample_rows(picked, [s.params for s in seqs], [s.generator for s in seqs],
                                            histories, [s.banned() for s in seqs])
             deltas += [self._append(seq, [token], lp and [lp], now) for seq, token, lp in zip(seqs, tokens, logprobs)]
         for seq, row in zip(sampling, starts):

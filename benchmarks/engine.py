@@ -1,10 +1,10 @@
 """The serving engine on this CPU: KV waste, offline throughput against peers, where a decode step's time goes,
-and time to first token with prefix caching.
+time to first token with prefix caching, and what deterministic mode costs.
 
     python benchmarks/engine.py [--model smollm2-135m] [--quick] [--no-peers] [--no-vllm] [--no-compile]
-                                [--no-256] [--sections 1234] [--threads N] [--json FILE]
+                                [--no-256] [--sections 12345] [--threads N] [--json FILE]
 
-Four markdown tables on stdout (after a header naming the CPU, its flags and the thread count); progress on
+Five markdown tables on stdout (after a header naming the CPU, its flags and the thread count); progress on
 stderr. All leanlm numbers come from one process and one loaded model. Peers run the same offline workload:
 transformers `generate` one request at a time (in this process) and vLLM's CPU build (its own environment, a
 subprocess): see benchmarks/engine_peers.py. Whole-model speeds move 20-45% between processes on these VMs:
@@ -398,6 +398,32 @@ def print_ttft(r: dict) -> None:
     print(f"\nCaching makes TTFT {speedup:.1f}x lower (target >= 5x).")
 
 
+def deterministic_cost(model, tok, n: int, in_len: int, out_len: int) -> dict:
+    """Output tokens/s with and without deterministic=True: a batch of n prompts, and one prompt alone."""
+    rng = random.Random(5)
+    prompts = [random_ids(rng, in_len, model.config.vocab_size) for _ in range(n)]
+    rows = {}
+    for mode in (False, True):
+        llm = LLM(model, tok, kv_cache_memory="1GiB", deterministic=mode, quiet=True)
+        llm.generate(prompts[:2], greedy(4), progress=False)  # warm-up
+        log(f"deterministic={mode}: {n} prompts, then 1 ...")
+        rows[(mode, n)] = throughput(llm, prompts, out_len)
+        rows[(mode, 1)] = throughput(llm, prompts[:1], out_len)
+    return {"in_len": in_len, "out_len": out_len,
+            "rows": {f"{'deterministic' if mode else 'normal'}, {k} prompt(s)": r for (mode, k), r in rows.items()},
+            "cost": {k: rows[(False, k)]["output_tok_s"] / rows[(True, k)]["output_tok_s"] for k in (n, 1)}}
+
+
+def print_deterministic(r: dict) -> None:
+    print(f"\n## 5. Deterministic mode's cost ({r['in_len']} prompt tokens, {r['out_len']} output tokens, eager)\n")
+    print("| run | output tok/s | elapsed s |\n|---|---:|---:|")
+    for name, row in r["rows"].items():
+        print(f"| {name} | {row['output_tok_s']:.1f} | {row['elapsed_s']:.1f} |")
+    print("\n" + ", ".join(f"{k} prompt(s): normal / deterministic = {v:.2f}x" for k, v in r["cost"].items()) +
+          ". Deterministic: every token a single query through the paged-attention kernel, products on tiles of 16 "
+          "rows (engine/runner.py).")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="zoo name or HF model directory")
@@ -407,7 +433,7 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (minutes to start)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled engine (each bucket compiles ~1 min)")
     ap.add_argument("--no-256", action="store_true", help="skip the step split at 256 sequences")
-    ap.add_argument("--sections", default="1234", help="which of the four tables to make (default all: 1234)")
+    ap.add_argument("--sections", default="12345", help="which of the five tables to make (default all: 12345)")
     ap.add_argument("--json", type=Path, help="also write every number to this file")
     args = ap.parse_args()
 
@@ -453,6 +479,9 @@ def main() -> None:
     del engines  # their KV pools
     if "4" in args.sections:
         emit("ttft", ttft(model, tok, *((256, 16, 3) if quick else (1024, 16, 3))), print_ttft)
+    if "5" in args.sections:
+        emit("deterministic", deterministic_cost(model, tok, *((8, 64, 16) if quick else (64, 256, 64))),
+             print_deterministic)
 
 if __name__ == "__main__":
     main()

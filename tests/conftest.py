@@ -64,3 +64,15 @@ def tiny_dir(tmp_path):
     make_hf_model("llama", tmp_path)
     make_tokenizer(tmp_path)
     return tmp_path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model float32, tokenizer) of a tiny Llama with a 512-token context, shared by a test module."""
+    from leanlm.models.loading import load_model
+    from leanlm.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    make_hf_model("llama", path, max_position_embeddings=512)
+    make_tokenizer(path)
+    return load_model(path, torch.float32), Tokenizer(path)

@@ -18,14 +18,6 @@ from tests.conftest import make_hf_model, make_tokenizer
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    make_hf_model("llama", path, max_position_embeddings=512)
-    make_tokenizer(path)
-    return load_model(path, torch.float32), Tokenizer(path)
-
-
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     """Token-id prompts of mixed lengths (3 to 70), several sharing a 40-token prefix."""
     rng = random.Random(seed)

@@ -8,14 +8,10 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from leanlm.engine import AsyncLLM
 from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
-from leanlm.models.loading import load_model
-from leanlm.tokenizer import Tokenizer
-from tests.conftest import make_hf_model, make_tokenizer
 
 openai = pytest.importorskip("openai")
 KEY, NAME = "sekrit", "tiny"
@@ -61,14 +57,6 @@ class Server:
                 return True
             time.sleep(0.05)
         return False
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    make_hf_model("llama", path, max_position_embeddings=512)
-    make_tokenizer(path)
-    return load_model(path, torch.float32), Tokenizer(path)
 
 
 @pytest.fixture(scope="module")

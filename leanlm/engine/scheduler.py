@@ -30,9 +30,9 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to feed) for the next step: decodes (one token each, or with their proposal) first,
         then prompt chunks."""
-        batch, budget = [], self.max_num_batched_tokens
+        batch, budget, preempted = [], self.max_num_batched_tokens, set()
         for seq in list(self.running):
-            if seq.remaining != 1 or seq not in self.running:  # prefilling, or preempted in this loop
+            if seq.remaining != 1 or seq in preempted:  # prefilling, or preempted in this loop
                 continue
             if seq.proposal and not (len(seq.proposal) < budget and self.blocks.grow(seq, len(seq.token_ids) +
                                                                                      len(seq.proposal))):
@@ -40,6 +40,7 @@ class Scheduler:
             while not self.blocks.grow(seq, len(seq.token_ids)):
                 victim = self.running[-1]
                 self.preempt(victim)
+                preempted.add(victim)
                 if victim is seq:
                     break
             else:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -204,16 +205,19 @@ def to_json(summary: dict) -> str:
     return json.dumps(summary, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class LocalServer:
     """`leanlm serve MODEL` in a subprocess on a free loopback port (its own process: the load generator's Python
     must not share a GIL with the server it measures). A context manager; SIGTERM at the end."""
 
     def __init__(self, model: str, name: str, serve_args: list[str], timeout: float = 600):
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.url, self.name = f"http://127.0.0.1:{self.port}", name
         self.args = [sys.executable, "-c", "from leanlm.cli import main; main()", "serve", model, "--port",
                      str(self.port), "--served-model-name", name, *serve_args]

@@ -24,6 +24,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The pool slot holding token `position` of the sequence with this block table."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 class KVPool:
     """Every layer's keys and values, slot by slot: k[layer] [num_blocks * block_size, Hkv, D]. With int8=True the
     entries are int8 codes with a float32 scale per (slot, head) (compress.quant.kv): about half the bytes."""

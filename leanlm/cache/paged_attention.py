@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from leanlm import kernels
-from leanlm.cache.paged import KVPool, cdiv
+from leanlm.cache.paged import KVPool, cdiv, slot_of
 from leanlm.models.layers import decode_attention
 
 
@@ -22,6 +22,13 @@ class Chunk:
     context: int
     slots: torch.Tensor  # [context]
     mask: torch.Tensor | None  # [length, context]
+
+
+def paged_kernel(pool: KVPool):
+    """leanlm's kernel ops if their paged attention can read this pool (a CPU pool of a float32 or bfloat16 model,
+    entries in its dtype or int8), else None."""
+    on_cpu = pool.k[0].device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
+    return kernels.ops() if on_cpu else None
 
 
 def slots_of(block_table: list[int], block_size: int, end: int, device=None) -> torch.Tensor:
@@ -48,8 +55,7 @@ class PagedStep:
             rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables[:ns]]
             self.tables = torch.tensor(rows, dtype=torch.int32, device=device)  # [B, width]
             self.lens = torch.tensor([s + 1 for s in starts[:ns]], dtype=torch.int32, device=device)  # [B]
-            new_slots.append(torch.tensor([t[s // bs] * bs + s % bs for t, s in zip(tables, starts[:ns])],
-                                          device=device))
+            new_slots.append(torch.tensor([slot_of(t, s, bs) for t, s in zip(tables, starts[:ns])], device=device))
         row = ns
         for table, begin, n in zip(tables[ns:], starts[ns:], lengths[ns:]):
             slots = slots_of(table, bs, begin + n, device)
@@ -58,8 +64,7 @@ class PagedStep:
             new_slots.append(slots[begin:])
             row += n
         self.slot_mapping = torch.cat(new_slots)  # [N] where each new token's key and value go
-        on_cpu = pool.k[0].device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
-        self.kernel = kernels.ops() if on_cpu else None
+        self.kernel = paged_kernel(pool)
 
     def attention_mask(self, T: int):
         return None, False
@@ -87,7 +92,7 @@ class PagedStep:
             scales = (pool.k_scale[layer], pool.v_scale[layer]) if pool.int8 else (None, None)
             return self.kernel.paged_attention(q.contiguous(), pool.k[layer], pool.v[layer], self.tables, self.lens,
                                                pool.block_size, *scales)
-        bs, (B, width) = self.pool.block_size, self.tables.shape
+        bs, width = self.pool.block_size, self.tables.shape[1]
         position = torch.arange(width * bs, device=q.device)[None]  # [1, S]
         mask = position < self.lens[:, None]
         # past its length a row reads its last token again (masked out): every slot read was written

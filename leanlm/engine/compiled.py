@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from leanlm import kernels
-from leanlm.cache.paged import KVPool, cdiv
+from leanlm.cache.paged import KVPool, cdiv, slot_of
+from leanlm.cache.paged_attention import paged_kernel
 from leanlm.generation.compiled import StepCompiler
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -48,8 +49,9 @@ class CompiledPagedDecoder:
         self.compiler = StepCompiler(model, _paged_step)
 
     @staticmethod
-    def supports(model, pool: KVPool) -> bool:
-        return model.device.type == "cpu" and not pool.int8 and kernels.ops() is not None
+    def supports(pool: KVPool) -> bool:
+        """The kernel reads the pool, and the step writes raw entries (no int8 quantization in the graph)."""
+        return not pool.int8 and paged_kernel(pool) is not None
 
     @torch.inference_mode()
     def run(self, tables: list[list[int]], positions: list[int], tokens: list[int]) -> torch.Tensor:
@@ -60,7 +62,7 @@ class CompiledPagedDecoder:
         table = torch.zeros(size, self.width, dtype=torch.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [self.scratch * bs] * pad
+        slots = [slot_of(t, p, bs) for t, p in zip(tables, positions)] + [self.scratch * bs] * pad
         inputs = dict(tokens=torch.tensor(tokens + [0] * pad), positions=torch.tensor(positions + [0] * pad),
                       slots=torch.tensor(slots), tables=table, lens=torch.tensor([p + 1 for p in positions] + [1] * pad,
                                                                                dtype=torch.int32),

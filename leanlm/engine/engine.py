@@ -35,11 +35,11 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.pool = KVPool.from_budget(model.config, kv_cache_memory, block_size, model.dtype, model.device,
                                        int8=kv_cache_dtype == "int8")
-        # the pool's last block belongs to no sequence: padded rows of a compiled step write there
-        self.blocks = BlockManager(self.pool.num_blocks - 1, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        # the pool's last block belongs to no sequence: padded rows (compiled and deterministic steps) write there
         scratch, compiled = self.pool.num_blocks - 1, None
-        if compile and not deterministic and CompiledPagedDecoder.supports(model, self.pool):
+        self.blocks = BlockManager(scratch, block_size, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        if compile and not deterministic and CompiledPagedDecoder.supports(self.pool):
             compiled = CompiledPagedDecoder(model, self.pool, scratch)
         self.runner = Runner(model, self.pool, compiled, deterministic, scratch)
         self.eos = eos_ids(model, tokenizer)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from leanlm.cache.paged import KVPool
-from leanlm.cache.paged_attention import PagedStep
+from leanlm.cache.paged_attention import PagedStep, paged_kernel
 from leanlm.engine.compiled import BUCKETS
 from leanlm.engine.sequence import Sequence
 from leanlm.errors import LeanLMError
@@ -29,7 +29,7 @@ class Runner:
                  scratch: int | None = None):
         self.model, self.pool, self.compiled = model, pool, compiled
         self.deterministic, self.scratch = deterministic, scratch
-        if deterministic and PagedStep(pool, [[0]], [0], [1], model.device).kernel is None:
+        if deterministic and paged_kernel(pool) is None:
             raise LeanLMError("deterministic mode needs leanlm's paged-attention kernel: a CPU model (float32 or "
                               "bfloat16) and a C++ compiler to build the kernel")
 

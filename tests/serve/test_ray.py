@@ -9,7 +9,7 @@ from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
 from leanlm.models.loading import load_model
 from leanlm.tokenizer import Tokenizer
-from tests.serve.test_server import free_port
+from leanlm.bench.serve import free_port
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")

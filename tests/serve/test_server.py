@@ -2,25 +2,19 @@
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 
+from leanlm.bench.serve import free_port
 from leanlm.engine import AsyncLLM
 from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
 
 openai = pytest.importorskip("openai")
 KEY, NAME = "sekrit", "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

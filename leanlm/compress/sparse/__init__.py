@@ -1,0 +1,1 @@
+"""Pruning: masks (unstructured, N:M), magnitude, Wanda, SparseGPT, Taylor saliency, structured pruning."""

@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions (server-sent events when streaming),
 /v1/models, /health, /metrics, on an AsyncLLM whose engine steps on its own thread.
 
-A request's completions come back on one asyncio queue. Work stops when its client goes: a streaming response is
-cancelled by the server when the connection drops (the abort runs in its `finally`); a non-streaming one checks
-the connection while it waits."""
+A request's completions come back on one asyncio queue. Work stops when its client goes: a streaming response
+closes its run when sending fails or ends (`_Stream`); a non-streaming one checks the connection while it waits."""
 
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ class _Run:
             self.abort()
             raise
         self.choices = [_Completion() for _ in range(len(prompts) * params.n)]
-        self.left = len(self.choices)
+        self.left, self.closed = len(self.choices), False
 
     def index(self, delta: Delta) -> int:
         return self.ids.index(delta.request_id) * self.params.n + delta.index
@@ -73,12 +72,7 @@ class _Run:
                 self.left -= delta.finish_reason is not None
                 yield i, delta
         finally:
-            if self.left:
-                self.abort()
-            else:
-                for request_id in self.ids:
-                    self.llm.release(request_id)
-            self.on_done()
+            self.close()
 
     def _record(self, choice: _Completion, delta: Delta) -> None:
         now, m = time.perf_counter(), self.metrics
@@ -100,6 +94,18 @@ class _Run:
     def abort(self) -> None:
         for request_id in self.ids:
             self.llm.abort(request_id)
+
+    def close(self) -> None:
+        """Once per run, however it ends: unfinished work aborted (its blocks freed), finished requests released."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.left:
+            self.abort()
+        else:
+            for request_id in self.ids:
+                self.llm.release(request_id)
+        self.on_done()
 
     def usage(self) -> dict:
         completion = sum(c.tokens for c in self.choices)
@@ -252,7 +258,22 @@ def _sse(run: _Run, head: dict, body, choice) -> StreamingResponse:
             yield f"data: {json.dumps(error_body(str(e), 'server_error', 500))}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _Stream(run, events())
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that closes its run even when the client is gone before the first chunk: then Starlette
+    never starts the body generator, so the generator's own cleanup would never run."""
+
+    def __init__(self, run: _Run, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream")
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
 
 
 def _token_text(tok, token: int) -> str:

@@ -158,6 +158,34 @@ def test_disconnects_free_every_block(server):
     assert client(server).completions.create(model=NAME, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
+def test_a_stream_whose_client_left_before_the_response_began_is_cleaned_up(server):
+    """The app called as ASGI with a send that fails at once (ASGI 2.4: Starlette then never starts the body)."""
+    body = json.dumps({"model": NAME, "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "stream": True})
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", server.port),
+             "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode())]}
+
+    async def main():
+        messages = [{"type": "http.request", "body": body.encode(), "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(60)  # the client says nothing more
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                raise OSError("connection reset")
+
+        with pytest.raises(Exception):
+            await server.app(scope, receive, send)
+
+    asyncio.run(main())
+    assert server.app.state.active == 0
+    assert server.settled(timeout=30)
+
+
 @pytest.mark.parametrize("payload,status,words", [
     (b"{not json", 400, "JSON"),
     ({"model": "gpt-9", "prompt": "hi"}, 404, "gpt-9"),

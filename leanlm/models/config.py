@@ -90,3 +90,19 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def hf_config_dict(config: ModelConfig, base: dict) -> dict:
+    """The source model's config.json dict `base` with the shape of `config` (e.g. after structured pruning).
+
+    head_dim is always written: once heads are removed, hidden_size / num_attention_heads no longer gives it, and
+    transformers' Llama, Mistral and Qwen2 read an explicit head_dim first. Per-layer lists (`layer_types`) keep
+    one entry per remaining layer."""
+    out = dict(base, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+               num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+               num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim)
+    if isinstance(base.get("layer_types"), list):
+        out["layer_types"] = base["layer_types"][: config.num_layers]
+    if isinstance(base.get("max_window_layers"), int):
+        out["max_window_layers"] = min(base["max_window_layers"], config.num_layers)
+    return out

@@ -16,7 +16,9 @@ METHODS: dict[str, type] = {}  # CLI name -> config class
 _HANDLERS: dict[type, Callable] = {}
 # Each module registers its methods when imported; `method()` imports them all on first use.
 MODULES = ("leanlm.compress.quant.rtn", "leanlm.compress.quant.gptq", "leanlm.compress.quant.awq",
-           "leanlm.compress.quant.smoothquant", "leanlm.compress.quant.llm_int8")
+           "leanlm.compress.quant.smoothquant", "leanlm.compress.quant.llm_int8",
+           "leanlm.compress.sparse.structured", "leanlm.compress.sparse.magnitude", "leanlm.compress.sparse.wanda",
+           "leanlm.compress.sparse.sparsegpt", "leanlm.compress.sparse.taylor")
 
 
 def register(config_cls: type) -> Callable:

@@ -56,6 +56,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
     N, K = W.shape
     W = W.detach().float().clone()
     H = H.detach().to(device=W.device, dtype=torch.float64).clone()
+    # Weights that are exactly 0 were pruned (SparseGPT, Wanda, ...): they stay 0 (a grid point of every spec),
+    # and what the error updates pile onto them is passed on to later columns like any rounding error.
+    pruned = W == 0
 
     # An input that was always zero carries no information: make H invertible there and drop the weight.
     diag = H.diagonal()
@@ -76,7 +79,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
         col_scale, col_zero = scale.expand(N, 1), zero.expand(N, 1)
 
     perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(K, device=W.device)
-    W, H = W[:, perm], H[perm][:, perm]
+    W, H, pruned = W[:, perm], H[perm][:, perm], pruned[:, perm]
     perm_cpu = perm.tolist()
     pos = torch.empty_like(perm)
     pos[perm] = torch.arange(K, device=W.device)  # pos[original column] = processing index
@@ -100,12 +103,14 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
                     cur[:, inside] = W1[:, cols[inside] - i1]
                     # Columns after this block have not had this block's lazy update yet: apply it here.
                     cur[:, ~inside] -= Err1[:, :i] @ U[i1:i1 + i, cols[~inside]]
+                    cur.masked_fill_(pruned[:, cols], 0.0)  # the grid is for the weights it keeps
                     s, z = qparams(cur, col_spec)
                     scale[:, g:g + 1], zero[:, g:g + 1] = s, z
                     have_group[g] = True
                 col_scale, col_zero = scale[:, g:g + 1], zero[:, g:g + 1]
             w = W1[:, i:i + 1]  # [N, 1]
             q = dequantize(quantize(w, col_scale, col_zero, col_spec), col_scale, col_zero, col_spec)
+            q.masked_fill_(pruned[:, i1 + i:i1 + i + 1], 0.0)
             err = (w - q) / U1[i, i]  # [N, 1]
             W1[:, i:] -= err * U1[i:i + 1, i:]
             Q1[:, i:i + 1] = q

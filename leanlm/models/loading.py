@@ -105,8 +105,9 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.bfloat16, device: st
     dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
-    quantized = qformat.restore_modules(model, path) if qformat.is_quantized(path) else set()
-    sd = read_safetensors(path) if quantized else hf_to_leanlm(read_safetensors(path), cfg)
+    ours = qformat.is_quantized(path)  # written by qformat.save: our names, not HF's
+    quantized = qformat.restore_modules(model, path) if ours else set()
+    sd = read_safetensors(path) if ours else hf_to_leanlm(read_safetensors(path), cfg)
     # copy=True: kernels such as _weight_int8pack_mm need their own aligned allocation, not a view into the file
     sd = {k: v.to(device, copy=True) if any(k.startswith(q) for q in quantized) else v.to(device=device, dtype=dtype)
           for k, v in sd.items()}

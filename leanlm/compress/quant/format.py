@@ -16,6 +16,7 @@ from leanlm.errors import LeanLMError
 
 RECORD = "quantization.json"
 VERSION = 2  # of quantization.json and the tensors it describes; a reader refuses other versions
+PRUNING_KEYS = ("sparsity", "pattern")  # what a pruned layer's record adds to its scheme's options
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -52,10 +53,11 @@ def restore_modules(model, path: Path) -> set[str]:
         raise LeanLMError(f"{path} holds quantization format {record.get('version', 1)}; this leanlm reads "
                           f"format {VERSION}: quantize the model again")
     layers = record["layers"]
-    for name, rec in layers.items():
+    quantized = {name: rec for name, rec in layers.items() if "scheme" in rec}  # the rest were pruned in float
+    for name, rec in quantized.items():
         linear = model.get_submodule(name)
         bias = None if linear.bias is None else torch.empty(linear.out_features, device="meta")
-        options = {k: v for k, v in rec.items() if k != "scheme"}
+        options = {k: v for k, v in rec.items() if k not in ("scheme", *PRUNING_KEYS)}
         cls = SCHEMES.get(rec.get("scheme"))
         if cls is None:
             raise LeanLMError(f"{path}/{RECORD}: layer {name} has unknown scheme {rec.get('scheme')!r}; "
@@ -66,4 +68,4 @@ def restore_modules(model, path: Path) -> set[str]:
         except TypeError:
             raise LeanLMError(f"{path}/{RECORD}: layer {name} has options {options} that {rec['scheme']} "
                               "does not take; re-quantize with this leanlm") from None
-    return {name + "." for name in layers}
+    return {name + "." for name in quantized}

@@ -1,0 +1,36 @@
+"""A float (possibly pruned, possibly smaller) model written as an ordinary Hugging Face model directory, so every
+leanlm verb and `transformers` load it: HF-named safetensors, config.json with the model's current shape,
+the source's tokenizer files, and what the pruning did in pruning.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from leanlm.compress.quant.format import copy_model_files
+from leanlm.errors import LeanLMError
+from leanlm.models.config import hf_config_dict
+from leanlm.models.loading import leanlm_to_hf
+
+RECORD = "pruning.json"
+
+
+def save_float(model, source: Path, out: Path, record: dict | None = None) -> None:
+    """Write `model` (a float Transformer; `model.config` must describe its current shape) into the existing
+    directory `out`, with `source`'s tokenizer files and its config.json updated to model.config; `record`
+    (e.g. {"recipe": [...], "layers": {name: {...}}}) goes to pruning.json."""
+    if any(hasattr(m, "BITS") for m in model.modules()):
+        raise LeanLMError("the model holds quantized layers; save it with leanlm.compress.quant.format.save")
+    out = Path(out)
+    save_file(leanlm_to_hf(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    copy_model_files(source, out)
+    base = json.loads((Path(source) / "config.json").read_text())
+    config = hf_config_dict(model.config, base)
+    dtype = str(model.dtype).removeprefix("torch.")
+    for key in [k for k in ("torch_dtype", "dtype") if k in base] or ["torch_dtype"]:
+        config[key] = dtype  # what the safetensors hold
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if record is not None:
+        (out / RECORD).write_text(json.dumps(record, indent=1))

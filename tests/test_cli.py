@@ -74,7 +74,7 @@ def test_unsupported_architecture(tiny_dir):
 
 
 def test_every_verb_has_help():
-    for verb in ("pull", "generate", "eval", "bench", "info", "serve"):
+    for verb in ("pull", "generate", "eval", "bench", "info", "serve", "prune"):
         r = leanlm(verb, "--help")
         assert r.returncode == 0 and "Usage" in r.stdout
 

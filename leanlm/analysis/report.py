@@ -92,4 +92,24 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None)
                 f"{kv_cache_bytes(cfg, batch, length, nbytes) / MB:,.1f}", f"{cache.nbytes / MB:,.1f}")
     mem.add_row(f"activations MB, prefill 1 x {prefill}", f"T x ((2d + max(2q + 2kv, 3I)) x {nbytes} B + 2d x 4 B) + V x 4 B",
                 f"{activation_bytes(cfg, 1, prefill, nbytes) / MB:,.1f}", f"{tracker.peak / MB:,.1f}")
-    return Group(arch, mem)
+    sparse = sparsity_table(model)
+    return Group(arch, mem) if sparse is None else Group(arch, mem, sparse)
+
+
+def sparsity_table(model: Transformer, least: float = 0.05) -> Table | None:
+    """Per block, the fraction of each projection's weights that are zero; None for a model not pruned
+    (no projection with at least `least` of its weights at 0)."""
+    from leanlm.compress.sparse.masks import module_sparsity
+
+    rows: dict[int, dict[str, float]] = {}
+    for name, m in model.named_modules():
+        if name.startswith("layers.") and hasattr(m, "in_features"):
+            _, block, _, proj = name.split(".")
+            rows.setdefault(int(block), {})[proj] = module_sparsity(m)
+    if not rows or max(max(r.values()) for r in rows.values()) < least:
+        return None
+    projs = list(rows[min(rows)])
+    table = Table("layer", *projs, title="sparsity (fraction of weights that are zero)")
+    for block, r in sorted(rows.items()):
+        table.add_row(str(block), *(f"{r[p]:.1%}" for p in projs))
+    return table

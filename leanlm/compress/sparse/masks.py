@@ -126,3 +126,15 @@ def sparsity_of(W: torch.Tensor) -> float:
 def layer_record(W: torch.Tensor, pattern: tuple[int, int] | None) -> dict:
     """What a pruned layer became, for the saved model's record."""
     return {"sparsity": round(sparsity_of(W), 6), "pattern": "unstructured" if pattern is None else "%d:%d" % pattern}
+
+
+def module_sparsity(module) -> float:
+    """Fraction of a projection's weights that are pruned, float or quantized: int8 codes of 0, an int4 code
+    equal to its group's zero point (which the W4A16 kernel dequantizes to within bf16 rounding of 0)."""
+    from leanlm.compress.quant.linear import W4A16Linear, unpack_int4
+
+    if isinstance(module, W4A16Linear):
+        g = module.group_size
+        zero_code = (8 - module.zeros.float() / module.scales.float()).round().t().repeat_interleave(g, 1)  # [N, K]
+        return (unpack_int4(module.weight_packed).float() == zero_code).float().mean().item()
+    return sparsity_of(module.weight)

@@ -1,0 +1,108 @@
+"""`leanlm prune`: zero weights (unstructured, N:M) or cut heads, neurons and layers, and save the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from leanlm.cli.common import DType, Model, _fail, app, err, out
+
+
+@app.command()
+def prune(
+    model: Model,
+    method: Annotated[Optional[str], typer.Option(help="magnitude, wanda, sparsegpt, taylor (zero weights); heads, "
+                                                       "neurons, layers (a smaller model)")] = None,
+    recipe: Annotated[Optional[Path], typer.Option(help="YAML list of steps applied in order, e.g. `- {method: "
+                                                        "sparsegpt, sparsity: 0.5, pattern: \"2:4\"}` then "
+                                                        "`- {method: gptq, bits: 4}`")] = None,
+    sparsity: Annotated[Optional[float], typer.Option(help="fraction of each projection's weights zeroed, in "
+                                                           "[0, 1) (default 0.5)")] = None,
+    pattern: Annotated[Optional[str], typer.Option(help="N:M, e.g. 2:4: of every M consecutive inputs of a row "
+                                                        "N are kept")] = None,
+    target_params: Annotated[Optional[float], typer.Option(help="heads/neurons/layers: fraction of the parameters "
+                                                                "kept, e.g. 0.75")] = None,
+    bits: Annotated[Optional[int], typer.Option(help="sparsegpt: also quantize the kept weights, 8 (W8A16) or 4 "
+                                                     "(W4A16), in the same pass")] = None,
+    scope: Annotated[Optional[str], typer.Option(help="magnitude: compare |w| per row (default), layer or "
+                                                      "global")] = None,
+    owl: Annotated[Optional[float], typer.Option(help="wanda: OWL non-uniform block sparsity, the largest shift "
+                                                      "from --sparsity (0.08 in the paper)")] = None,
+    heads: Annotated[Optional[int], typer.Option(help="heads: query heads kept per layer")] = None,
+    intermediate_size: Annotated[Optional[int], typer.Option(help="neurons: MLP width kept")] = None,
+    num_layers: Annotated[Optional[int], typer.Option(help="layers: decoder layers kept")] = None,
+    criterion: Annotated[Optional[str], typer.Option(help="neurons: contribution, activation, redundant; layers: "
+                                                          "influence, loss")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="calibration text file or folder (default: built-in "
+                                                      "calibration split)")] = None,
+    samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
+    dtype: DType = "auto",
+) -> None:
+    """Prune MODEL and save it to -o DIR: a float model as an ordinary HF directory (every verb and transformers
+    load it), a sparse + quantized one in leanlm's quantized format."""
+    from dataclasses import asdict
+
+    from rich.progress import Progress
+
+    from leanlm.api import load
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.registry import apply, make_config, read_recipe
+    from leanlm.compress.sparse.save import save_float
+    from leanlm.fetch import atomic_dir
+    from leanlm.models.zoo import resolve
+
+    options = {"sparsity": sparsity, "pattern": pattern, "target_params": target_params, "bits": bits, "scope": scope,
+               "owl": owl, "heads": heads, "intermediate_size": intermediate_size, "num_layers": num_layers,
+               "criterion": criterion}
+    if recipe is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None] + (["--method"] if method else [])
+        if given:
+            _fail(f"--recipe sets every option itself; drop {', '.join(given)}")
+        configs = read_recipe(recipe)
+    elif method is None:
+        _fail("give --method (magnitude, wanda, sparsegpt, taylor, heads, neurons, layers) or --recipe FILE")
+    else:
+        configs = [make_config(method, {k: v for k, v in options.items() if v is not None})]
+    if output.exists():
+        _fail(f"{output} already exists; choose a new output directory")
+    for name, value in (("samples", samples), ("seq-len", seq_len)):
+        if value < 1:
+            _fail(f"--{name} must be at least 1")
+    source = resolve(model)
+    if qformat.is_quantized(source):
+        _fail(f"{model} is quantized; prune the float model (and quantize after, or with sparsegpt --bits)")
+    net, tok = load(source, dtype, "cpu")
+    calibration = None
+    if any(getattr(c, "needs_data", False) for c in configs):
+        from leanlm.eval.datasets import calibration_samples, load_text
+
+        calibration = calibration_samples(tok.encode(load_text(data, split="calibration")), samples, seq_len)
+    records: dict[str, dict] = {}
+    with Progress(console=err, transient=True) as bar:
+        for config in configs:
+            task = bar.add_task(config.name, total=None)
+            for name, record in apply(net, config, progress=lambda name: bar.advance(task), samples=calibration).items():
+                records[name] = {**records.get(name, {}), **record}  # a layer pruned, then quantized, keeps both
+    quantized = any(hasattr(m, "BITS") for m in net.modules())
+    with atomic_dir(output) as tmp:
+        if quantized:
+            qformat.save(net, records, configs, source, tmp)
+        else:
+            save_float(net, source, tmp, {"recipe": [{"method": c.name, **asdict(c)} for c in configs], "layers": records})
+    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}: {_summary(net)})", soft_wrap=True)
+
+
+def _summary(net) -> str:
+    """The model's shape and how many of its projection weights are zero."""
+    from leanlm.compress.sparse.masks import module_sparsity
+
+    layers = [(module_sparsity(m), m.in_features * m.out_features) for n, m in net.named_modules()
+              if n.startswith("layers.") and hasattr(m, "in_features")]
+    zeros = sum(s * n for s, n in layers) / max(sum(n for _, n in layers), 1)
+    cfg = net.config
+    return (f"{cfg.num_layers} layers, {cfg.num_heads} heads, MLP width {cfg.intermediate_size}; "
+            f"{zeros:.1%} of the decoder projections' weights are zero")

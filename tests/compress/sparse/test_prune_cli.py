@@ -1,0 +1,103 @@
+"""`leanlm prune` as a user runs it: the directory it writes loads in leanlm (and its verbs) with the sparsity
+asked per layer; a recipe prunes then quantizes keeping the zeros; a smaller model is an ordinary HF directory;
+bad input is one clear line and leaves no directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from leanlm.compress.quant import format as qformat
+from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
+from leanlm.compress.registry import decoder_linears
+from leanlm.compress.sparse.masks import module_sparsity
+from leanlm.compress.sparse.save import RECORD
+from leanlm.models.loading import load_model
+from tests.test_cli import leanlm
+
+
+@pytest.fixture
+def text(tmp_path):
+    path = tmp_path / "calib.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. hello world, hello there. " * 30)
+    return path
+
+
+def _prune(tiny_dir, text, out, *args):
+    return leanlm("prune", tiny_dir, *args, "--data", text, "--samples", "4", "--seq-len", "16", "-o", out)
+
+
+def test_sparsegpt_2_4_loads_runs_and_shows_its_sparsity(tiny_dir, text, tmp_path):
+    out = tmp_path / "sparse"
+    r = _prune(tiny_dir, text, out, "--method", "sparsegpt", "--pattern", "2:4")
+    assert r.returncode == 0, r.stderr
+    assert "50.0% of the decoder projections' weights are zero" in r.stdout
+    model = load_model(out, torch.float32)
+    for _, linear in decoder_linears(model):
+        assert ((linear.weight == 0).reshape(linear.out_features, -1, 4).sum(-1) >= 2).all()
+    record = json.loads((out / RECORD).read_text())
+    assert record["recipe"][0]["method"] == "sparsegpt" and record["recipe"][0]["pattern"] == "2:4"
+    assert {r["pattern"] for r in record["layers"].values()} == {"2:4"}
+    r = leanlm("info", out, "--dtype", "float32")
+    assert r.returncode == 0 and "sparsity" in r.stdout and "50.0%" in r.stdout
+    r = leanlm("generate", out, "hello", "--max-tokens", "4", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+
+
+def test_wanda_sparsity_per_row(tiny_dir, text, tmp_path):
+    out = tmp_path / "wanda"
+    r = _prune(tiny_dir, text, out, "--method", "wanda", "--sparsity", "0.3", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    for _, linear in decoder_linears(load_model(out, torch.float32)):
+        assert ((linear.weight == 0).sum(1) == round(0.3 * linear.in_features)).all()
+
+
+def test_recipe_sparsegpt_then_gptq_keeps_the_mask(tiny_dir, text, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('- {method: sparsegpt, sparsity: 0.5, pattern: "2:4"}\n- {method: gptq, bits: 4, group_size: 32}\n')
+    out = tmp_path / "sq"
+    r = _prune(tiny_dir, text, out, "--recipe", recipe)
+    assert r.returncode == 0, r.stderr
+    model = load_model(out, torch.bfloat16)
+    layers = json.loads((out / qformat.RECORD).read_text())["layers"]
+    for name, rec in layers.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, W4A16Linear) and rec["scheme"] == "w4a16" and rec["pattern"] == "2:4"
+        assert module_sparsity(module) >= 0.5
+    r = leanlm("generate", out, "hello", "--max-tokens", "4", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+
+
+def test_sparsegpt_joint_int8(tiny_dir, text, tmp_path):
+    out = tmp_path / "w8"
+    r = _prune(tiny_dir, text, out, "--method", "sparsegpt", "--sparsity", "0.5", "--bits", "8")
+    assert r.returncode == 0, r.stderr
+    down = load_model(out, torch.bfloat16).layers[0].mlp.down_proj
+    assert isinstance(down, W8A16Linear) and ((down.weight == 0).sum(1) >= 48).all()  # K = 96
+
+
+def test_a_smaller_model_is_an_hf_directory(tiny_dir, text, tmp_path):
+    out = tmp_path / "short"
+    r = _prune(tiny_dir, text, out, "--method", "layers", "--num-layers", "1")
+    assert r.returncode == 0, r.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and (out / "tokenizer.json").exists()
+    assert load_model(out, torch.float32).config.num_layers == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "wanda", "--sparsity", "1.5"], "in [0, 1)"),
+    (["--method", "sparsegpt", "--pattern", "3:5"], "divisible by 5"),
+    (["--method", "magnitude", "--pattern", "2-4"], "not N:M"),
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--method", "wanda", "--bits", "8"], "wanda has no option bits"),
+    (["--method", "sparsegpt", "--pattern", "2:4", "--sparsity", "0.7"], "prunes 0.5 of the weights"),
+    ([], "give --method"),
+])
+def test_bad_input_is_one_clear_line_and_no_directory(tiny_dir, text, tmp_path, args, message):
+    out = tmp_path / "never"
+    r = _prune(tiny_dir, text, out, *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists() and not list(tmp_path.glob(".never*"))

@@ -85,14 +85,16 @@ def prune(
     with Progress(console=err, transient=True) as bar:
         for config in configs:
             task = bar.add_task(config.name, total=None)
-            for name, record in apply(net, config, progress=lambda name: bar.advance(task), samples=calibration).items():
+            step = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
+            for name, record in step.items():
                 records[name] = {**records.get(name, {}), **record}  # a layer pruned, then quantized, keeps both
     quantized = any(hasattr(m, "BITS") for m in net.modules())
     with atomic_dir(output) as tmp:
         if quantized:
             qformat.save(net, records, configs, source, tmp)
         else:
-            save_float(net, source, tmp, {"recipe": [{"method": c.name, **asdict(c)} for c in configs], "layers": records})
+            recipe_steps = [{"method": c.name, **asdict(c)} for c in configs]
+            save_float(net, source, tmp, {"recipe": recipe_steps, "layers": records})
     out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}: {_summary(net)})", soft_wrap=True)
 
 

@@ -55,7 +55,8 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, sparsity: float, pattern: 
     grouped = quant_spec is not None and quant_spec.granularity == "group"
     if quant_spec is not None:
         if quant_spec.granularity == "token":
-            raise LeanLMError("granularity='token' is for activations; quantize weights per 'channel', 'group' or 'tensor'")
+            raise LeanLMError("granularity='token' is for activations; quantize weights per 'channel', 'group' "
+                              "or 'tensor'")
         quant_spec.check(W)
         if grouped and block_size % quant_spec.group_size:
             raise LeanLMError(f"block_size={block_size} must be a multiple of group_size={quant_spec.group_size}")

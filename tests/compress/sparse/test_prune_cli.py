@@ -56,7 +56,8 @@ def test_wanda_sparsity_per_row(tiny_dir, text, tmp_path):
 
 def test_recipe_sparsegpt_then_gptq_keeps_the_mask(tiny_dir, text, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text('- {method: sparsegpt, sparsity: 0.5, pattern: "2:4"}\n- {method: gptq, bits: 4, group_size: 32}\n')
+    recipe.write_text('- {method: sparsegpt, sparsity: 0.5, pattern: "2:4"}\n'
+                      '- {method: gptq, bits: 4, group_size: 32}\n')
     out = tmp_path / "sq"
     r = _prune(tiny_dir, text, out, "--recipe", recipe)
     assert r.returncode == 0, r.stderr

@@ -97,8 +97,8 @@ def test_joint_sparsegpt_int8_lands_on_w8a16_and_saves(src, tmp_path):
     assert torch.equal(again.layers[0].mlp.down_proj.weight, model.layers[0].mlp.down_proj.weight)
 
 
-@pytest.mark.parametrize("then", [{"method": "gptq", "bits": 4, "group_size": 32}, {"method": "rtn", "bits": 4, "group_size": 32},
-                                  {"method": "rtn", "bits": 8}])
+@pytest.mark.parametrize("then", [{"method": "gptq", "bits": 4, "group_size": 32},
+                                  {"method": "rtn", "bits": 4, "group_size": 32}, {"method": "rtn", "bits": 8}])
 def test_a_quantization_step_after_sparsegpt_keeps_the_zeros(src, then):
     model = load_model(src, torch.float32)
     apply(model, make_config("sparsegpt", {"sparsity": 0.5, "pattern": "2:4"}), samples=SAMPLES)

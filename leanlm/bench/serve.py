@@ -16,6 +16,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -213,30 +214,43 @@ def free_port() -> int:
 
 
 class LocalServer:
-    """`leanlm serve MODEL` in a subprocess on a free loopback port (its own process: the load generator's Python
-    must not share a GIL with the server it measures). A context manager; SIGTERM at the end."""
+    """A server command in its own process on a loopback port, ready once GET `health` answers 200 (its own process:
+    the load generator's Python must not share a GIL with the server it measures). A context manager; SIGTERM at
+    the end. The server's log goes to a temporary file (a pipe nobody reads would stall a chatty server), whose
+    tail explains a failed start."""
 
-    def __init__(self, model: str, name: str, serve_args: list[str], timeout: float = 600):
-        self.port = free_port()
-        self.url, self.name = f"http://127.0.0.1:{self.port}", name
-        self.args = [sys.executable, "-c", "from leanlm.cli import main; main()", "serve", model, "--port",
-                     str(self.port), "--served-model-name", name, *serve_args]
-        self.timeout = timeout
+    def __init__(self, command: list[str], port: int, env: dict | None = None, timeout: float = 600,
+                 health: str = "/health"):
+        self.command, self.env, self.timeout = command, env, timeout
+        self.url, self.health = f"http://127.0.0.1:{port}", health
+
+    @classmethod
+    def leanlm(cls, model: str, name: str, serve_args: list[str], timeout: float = 600) -> LocalServer:
+        """`leanlm serve MODEL` on a free port, serving it as `name`."""
+        port = free_port()
+        return cls([sys.executable, "-c", "from leanlm.cli import main; main()", "serve", model, "--port", str(port),
+                    "--served-model-name", name, *serve_args], port, timeout=timeout)
 
     def __enter__(self) -> LocalServer:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.command, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise LeanLMError(f"leanlm serve exited: {self.proc.stderr.read()[-2000:]}")
+                raise LeanLMError(f"{self.command[0]} exited ({self.proc.returncode}): {self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health").status_code == 200:
+                if httpx.get(self.url + self.health).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        self.proc.kill()
-        raise LeanLMError(f"leanlm serve did not answer /health within {self.timeout:.0f} s")
+        self.__exit__()
+        raise LeanLMError(f"{self.command[0]} did not answer {self.health} within {self.timeout:.0f} s: "
+                          f"{self.log_tail()}")
+
+    def log_tail(self, chars: int = 2000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-chars:]
 
     def __exit__(self, *exc):
         self.proc.terminate()
@@ -244,6 +258,8 @@ class LocalServer:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 def served_model(base_url: str, api_key: str | None = None) -> str:

@@ -27,8 +27,8 @@ def serve(
     compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs (each "
                                           "batch-size bucket compiles once, ~1 min)")] = False,
     replicas: Annotated[int, typer.Option(help="engine replicas behind one endpoint on Ray Serve (leanlm[ray])")] = 1,
-    ray_address: Annotated[Optional[str], typer.Option(help="with --replicas: an existing Ray cluster (default: a "
-                                                            "local instance)")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="an existing Ray cluster for the replicas, or "
+                                                            "`local` (default: a new local instance)")] = None,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -87,7 +87,8 @@ def bench_serve(
     levels = [int(x) for x in sweep.split(",")] if sweep else [max_concurrency]
     prompts = random_prompts(num_prompts + warmup, input_len, vocab, seed)
     remote = target.startswith(("http://", "https://"))
-    server = contextlib.nullcontext() if remote else LocalServer(target, model_name or target, shlex.split(serve_args))
+    server = (contextlib.nullcontext() if remote
+              else LocalServer.leanlm(target, model_name or target, shlex.split(serve_args)))
     rows = []
     with server as local:
         url = target if remote else local.url

@@ -54,7 +54,7 @@ def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1"
     # each replica's torch threads: its share of the cores (one process each; more would oversubscribe)
     options.setdefault("threads", max(1, cpu_count() // replicas))
     if not ray.is_initialized():
-        if ray_address:
+        if ray_address and ray_address != "local":
             ray.init(address=ray_address)
         else:  # a local instance on loopback only
             ray.init(address="local", include_dashboard=False, num_cpus=cpu_count(), _node_ip_address="127.0.0.1")

@@ -43,30 +43,31 @@ def neuron_contribution(down_weight: torch.Tensor, h_norm: torch.Tensor) -> torc
 
 
 def merge_redundant(gram: torch.Tensor, down_weight: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedily drop the neuron whose activation vector over the calibration tokens is most nearly collinear with
-    another kept one's, folding it into that twin: if h_i ~ a h_j then down[:, i] h_i ~ (a down[:, i]) h_j, so
-    down[:, j] += a down[:, i] with a = <h_i, h_j> / <h_j, h_j> (least squares). Of a pair, the neuron whose
-    output norm ||down[:, k]|| ||h_k|| is smaller goes. Exact for duplicated neurons.
+    """Greedily drop the neuron that another kept one best stands in for, folding it into that twin: with
+    h_i ~ a h_j over the calibration tokens, down[:, i] h_i ~ (a down[:, i]) h_j, so down[:, j] += a down[:, i],
+    a = <h_i, h_j> / <h_j, h_j> (least squares). What the fold leaves out of the MLP output is exactly
+    ||down[:, i]||^2 ||h_i||^2 (1 - cos^2(h_i, h_j)), and the neuron (with its most collinear partner) of least
+    such error goes first: a duplicate (cos = 1) or a near-zero neuron costs nothing. Ranking by collinearity
+    alone would, once the real duplicates are gone, drop strong neurons that are merely the "most" collinear.
 
     gram: H^T H of the activations act(gate) * up  # [I, I]; down_weight [d, I]
     -> (kept indices [keep] ascending, down weight [d, I] with the merges folded in, float32)"""
     G, W = gram.double(), down_weight.double().clone()
     I = G.shape[0]
-    norms = G.diagonal().clamp_min(1e-30).sqrt()
-    cos = (G / norms[:, None] / norms[None, :]).abs()
-    cos.fill_diagonal_(float("-inf"))
+    sq = G.diagonal().clamp_min(1e-30)  # ||h_j||^2
+    cos = G / sq.sqrt()[:, None] / sq.sqrt()[None, :]
+    cos = cos.abs().fill_diagonal_(float("-inf"))
     best, partner = cos.max(1)  # each neuron's most collinear other neuron
+    energy = W.square().sum(0) * sq  # ||down_j||^2 ||h_j||^2: what dropping j without a fold would lose
     alive = torch.ones(I, dtype=torch.bool)
     for _ in range(I - keep):
-        i = int(best.argmax())
-        j = int(partner[i])
-        out_i, out_j = (W[:, i].norm() * norms[i]), (W[:, j].norm() * norms[j])
-        drop, twin = (i, j) if out_i <= out_j else (j, i)
-        W[:, twin] += G[drop, twin] / G[twin, twin].clamp_min(1e-30) * W[:, drop]
+        cost = torch.where(alive, (1 - best.clamp(max=1).square()) * energy, torch.inf)
+        drop = int(cost.argmin())
+        twin = int(partner[drop])
+        W[:, twin] += G[drop, twin] / sq[twin] * W[:, drop]
+        energy[twin] = W[:, twin].square().sum() * sq[twin]
         alive[drop] = False
-        cos[drop, :] = float("-inf")
         cos[:, drop] = float("-inf")
-        best[drop] = float("-inf")
         stale = alive & (partner == drop)  # neurons whose best partner just went: look again (rarely many)
         if stale.any():
             best[stale], partner[stale] = cos[stale].max(1)

@@ -51,21 +51,24 @@ class Heads:
         _check_size(self.name, self.target_params, "heads", self.heads)
 
 
-NEURON_CRITERIA = ("contribution", "activation", "redundant")
+NEURON_CRITERIA = ("redundant", "activation", "contribution")
 
 
 @dataclass(frozen=True)
 class Neurons:
-    """Remove MLP neurons, scored on their activations h = act(gate) * up over calibration tokens:
-    contribution (default): ||down[:, j]|| * ||h_j||, what removing j alone takes out of the MLP output;
-    activation: mean |h_j| (neurons whose output is near zero go first);
-    redundant: neurons nearly collinear with a kept one go, folded into it (slicing.merge_redundant)."""
+    """Remove MLP neurons, judged by their activations h = act(gate) * up over calibration tokens:
+    redundant (default): a neuron nearly collinear with a kept one goes, folded into it, least output error
+        first (slicing.merge_redundant; near-zero neurons cost nothing either). Of the three it left the lowest
+        loss on SmolLM2-135M at 25% of parameters removed (eval loss 4.33 vs 4.46 activation, 4.53
+        contribution; base 3.80), for an [I, I] Gram matrix per layer and about twice the time;
+    activation: mean |h_j|, the lectures' criterion (neurons whose output is near zero go first);
+    contribution: ||down[:, j]|| * ||h_j||, what removing j alone takes out of the MLP output."""
 
     name: ClassVar[str] = "neurons"
     needs_data: ClassVar[bool] = True
     target_params: float | None = None
     intermediate_size: int | None = None
-    criterion: str = "contribution"
+    criterion: str = "redundant"
 
     def __post_init__(self):
         _check_size(self.name, self.target_params, "intermediate_size", self.intermediate_size)
@@ -195,9 +198,9 @@ def prune_heads(model, config: Heads, progress=None, samples=None) -> dict[str, 
 
 # criterion -> (stats of down_proj's input h, select(stats value, down weight, keep) -> (kept, new down weight))
 _NEURON_RULES = {
-    "contribution": (ChannelNorm, lambda v, W, k: (select_top(neuron_contribution(W, v), k), None)),
-    "activation": (MeanAbs, lambda v, W, k: (select_top(v, k), None)),
     "redundant": (Hessian, merge_redundant),
+    "activation": (MeanAbs, lambda v, W, k: (select_top(v, k), None)),
+    "contribution": (ChannelNorm, lambda v, W, k: (select_top(neuron_contribution(W, v), k), None)),
 }
 
 

@@ -96,15 +96,32 @@ class AsyncLLM:
 
     def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
                  kv_cache_memory: str | int | float = "1GiB", quiet: bool = False, **engine_options):
-        self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options, quiet)
         self._ids = itertools.count()
         self._inbox: list = []  # ("add", seqs) / ("abort", id), applied by the engine thread between steps
         self._wake = threading.Condition()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="leanlm-engine", daemon=True)
+        # The engine is built on its own thread, so that thread alone ever runs OpenMP work: once the caller's
+        # thread has run a parallel region too, the step's kernels ran ~1.7x slower on 2 cores (two thread teams).
+        failed: list[BaseException] = []
+        ready = threading.Event()
+
+        def build_then_loop():
+            try:
+                self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options, quiet)
+            except BaseException as e:
+                failed.append(e)
+                return
+            finally:
+                ready.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=build_then_loop, name="leanlm-engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
 
     @property
     def tokenizer(self):

@@ -113,6 +113,30 @@ class _Run:
                 "total_tokens": self.prompt_tokens + completion}
 
 
+def fail(message: str, code: int = 400, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code), status_code=code, headers=headers)
+
+
+class _Guard:
+    """Body size and API key checked before routing. Plain ASGI: Starlette's `@app.middleware` runs every
+    response through memory streams and extra tasks, a cost paid on each streamed chunk."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.key = app, None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            refusal = None
+            if int(headers.get(b"content-length") or 0) > MAX_BODY:
+                refusal = fail(f"request body over {MAX_BODY >> 20} MiB", 413)
+            elif self.key and scope["path"].startswith("/v1/") and headers.get(b"authorization") != self.key:
+                refusal = fail("invalid or missing API key (Authorization: Bearer KEY)", 401, "authentication_error")
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_requests: int = 512) -> FastAPI:
     """max_requests: HTTP requests in progress beyond which new ones get 503 and Retry-After (the queue is bounded
     here, not left to grow in the engine)."""
@@ -121,17 +145,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     metrics = Metrics(llm.engine, model_name)
     tok = llm.tokenizer
 
-    def fail(message: str, code: int = 400, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
-        return JSONResponse(error_body(message, kind, code), status_code=code, headers=headers)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
-            return fail(f"request body over {MAX_BODY >> 20} MiB", 413)
-        if api_key and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {api_key}":
-            return fail("invalid or missing API key (Authorization: Bearer KEY)", 401, "authentication_error")
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

@@ -53,11 +53,12 @@ def requests_at(level: int) -> int:
     return max(8, 2 * level)
 
 
-def load(url: str, level: int, n: int | None = None, output_len: int = OUT) -> dict:
-    """One `leanlm bench serve` run against `url` at `level` requests in flight (its own process)."""
+def load(url: str, level: int, n: int | None = None, output_len: int = OUT, seed: int = 0) -> dict:
+    """One `leanlm bench serve` run against `url` at `level` requests in flight (its own process). Each run of a
+    server gets prompts of its own seed: prompts seen before would hit the servers' prefix caches."""
     n = n or requests_at(level)
     cmd = leanlm_cli("bench", "serve", url, "--model-name", NAME, "--num-prompts", str(n), "--max-concurrency",
-                     str(level), "--input-len", str(IN), "--output-len", str(output_len), "--json")
+                     str(level), "--input-len", str(IN), "--output-len", str(output_len), "--seed", str(seed), "--json")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"leanlm bench serve failed: {r.stderr[-1500:]}")
@@ -67,7 +68,7 @@ def load(url: str, level: int, n: int | None = None, output_len: int = OUT) -> d
 def sweep(url: str, label: str, levels=LEVELS) -> list[dict]:
     rows = []
     for level in levels:
-        row = load(url, level)
+        row = load(url, level, seed=level)
         log(f"  {label} @ {level}: {row['output_throughput']:.1f} tok/s, TTFT p50 {row['ttft_ms']['p50']:.0f} ms, "
             f"TPOT p50 {row['tpot_ms']['p50']:.1f} ms, failed {row['failed']}")
         rows.append(row)
@@ -77,7 +78,7 @@ def sweep(url: str, label: str, levels=LEVELS) -> list[dict]:
 def warm(url: str, levels=LEVELS) -> None:
     """Unmeasured requests at every level, so a compiling server has built each batch-size graph beforehand."""
     for level in levels:
-        load(url, level, n=level, output_len=8)
+        load(url, level, n=level, output_len=8, seed=1000 + level)
 
 
 # servers -------------------------------------------------------------------------------------------------------
@@ -107,8 +108,11 @@ def f16_gguf(model_dir: Path) -> Path | None:
         return None
     CACHE.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(LLAMA_SRC / "gguf-py")}
-    subprocess.run([sys.executable, str(script), str(model_dir), "--outtype", "f16", "--outfile", str(path)],
-                   env=env, check=True, capture_output=True)
+    r = subprocess.run([sys.executable, str(script), str(model_dir), "--outtype", "f16", "--outfile", str(path)],
+                       env=env, capture_output=True, text=True)
+    if r.returncode != 0:  # e.g. no sentencepiece (pip install sentencepiece)
+        log(f"convert_hf_to_gguf.py failed: {r.stderr[-1500:]}")
+        return None
     return path
 
 

@@ -118,8 +118,8 @@ def fail(message: str, code: int = 400, kind: str = "invalid_request_error", hea
 
 
 class _Guard:
-    """Body size and API key checked before routing. Plain ASGI: Starlette's `@app.middleware` runs every
-    response through memory streams and extra tasks, a cost paid on each streamed chunk."""
+    """Body size and API key checked before routing. Plain ASGI: Starlette's `@app.middleware` would pass every
+    response, each streamed chunk of it, through memory streams and a task of its own."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.key = app, None if api_key is None else f"Bearer {api_key}".encode()
@@ -144,8 +144,6 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     app.state.active = 0  # HTTP requests admitted and not yet answered in full
     metrics = Metrics(llm.engine, model_name)
     tok = llm.tokenizer
-
-
     app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)

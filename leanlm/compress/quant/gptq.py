@@ -30,6 +30,17 @@ def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
     return U.float()
 
 
+def solver_inputs(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies an OBS-style column solver (GPTQ, SparseGPT) may edit: W float32 [N, K], H float64 [K, K]. An input
+    that was always zero carries no information: its weights are dropped and H made invertible there."""
+    W = W.detach().float().clone()
+    H = H.detach().to(device=W.device, dtype=torch.float64).clone()
+    dead = H.diagonal() == 0
+    H.diagonal()[dead] = 1.0
+    W[:, dead] = 0.0
+    return W, H
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size: int = 128,
                   damp: float = 0.01, act_order: bool = False, search_grid: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,17 +65,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
         raise LeanLMError(f"damp={damp!r} is negative; use a small non-negative ratio such as 0.01")
     spec.check(W)
     N, K = W.shape
-    W = W.detach().float().clone()
-    H = H.detach().to(device=W.device, dtype=torch.float64).clone()
     # Weights that are exactly 0 were pruned (SparseGPT, Wanda, ...): they stay 0 (a grid point of every spec),
     # and what the error updates pile onto them is passed on to later columns like any rounding error.
-    pruned = W == 0
-
-    # An input that was always zero carries no information: make H invertible there and drop the weight.
+    pruned = W.detach() == 0
+    W, H = solver_inputs(W, H)
     diag = H.diagonal()
-    dead = diag == 0
-    diag[dead] = 1.0
-    W[:, dead] = 0.0
 
     col_spec = replace(spec, granularity="channel", group_size=None)  # quantize one column [N, 1] at a time
     qparams = search_qparams if search_grid else compute_qparams

@@ -14,7 +14,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from leanlm.compress.calibrate import calibrate
-from leanlm.compress.quant.gptq import _inverse_cholesky
+from leanlm.compress.quant.gptq import _inverse_cholesky, solver_inputs
 from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
 from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, quantize
 from leanlm.compress.quant.rtn import check_int4_group, group_for
@@ -60,14 +60,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, sparsity: float, pattern: 
         quant_spec.check(W)
         if grouped and block_size % quant_spec.group_size:
             raise LeanLMError(f"block_size={block_size} must be a multiple of group_size={quant_spec.group_size}")
-    W = W.detach().float().clone()
-    H = H.detach().to(device=W.device, dtype=torch.float64).clone()
-
-    # An input that was always zero carries no information: make H invertible there and drop the weight.
-    diag = H.diagonal()
-    dead = diag == 0
-    diag[dead] = 1.0
-    W[:, dead] = 0.0
+    W, H = solver_inputs(W, H)
     H.diagonal().add_(damp * H.diagonal().mean())
     U = _inverse_cholesky(H)  # H^-1 = U^T U; row q of U is what removing column q does to the later columns
 

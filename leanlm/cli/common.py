@@ -34,3 +34,33 @@ def _load(model: str, dtype: str, device: str, threads: int | None, quiet: bool 
     return net, tok, threads
 
 
+
+
+def _method_configs(method: str | None, recipe, options: dict, default: str | None = None) -> list:
+    """A recipe's steps, or one method (or `default`) with the options given (None: not given)."""
+    from leanlm.compress.registry import make_config, read_recipe
+
+    if recipe is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None] + (["--method"] if method else [])
+        if given:
+            _fail(f"--recipe sets every option itself; drop {', '.join(given)}")
+        return read_recipe(recipe)
+    return [make_config(method or default, {k: v for k, v in options.items() if v is not None})]
+
+
+def _check_run(output, samples: int, seq_len: int) -> None:
+    """A compress verb's output must be new and its calibration sizes positive."""
+    if output.exists():
+        _fail(f"{output} already exists; choose a new output directory")
+    for name, value in (("samples", samples), ("seq-len", seq_len)):
+        if value < 1:
+            _fail(f"--{name} must be at least 1")
+
+
+def _calibration(configs: list, tok, data, samples: int, seq_len: int):
+    """Calibration token ids [samples, seq_len] when a step needs data, else None."""
+    if not any(getattr(c, "needs_data", False) for c in configs):
+        return None
+    from leanlm.eval.datasets import calibration_samples, load_text
+
+    return calibration_samples(tok.encode(load_text(data, split="calibration")), samples, seq_len)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import DType, Model, _fail, app, err, out
+from leanlm.cli.common import DType, Model, _calibration, _check_run, _fail, _method_configs, app, err, out
 
 
 @app.command()
@@ -45,35 +45,21 @@ def quantize(
 
     from leanlm.api import load
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import apply, make_config, read_recipe
+    from leanlm.compress.registry import apply, make_config
     from leanlm.fetch import atomic_dir
     from leanlm.models.zoo import resolve
 
     options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order, "alpha": alpha,
                "threshold": threshold}
-    if recipe is not None:
-        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None] + (["--method"] if method else [])
-        if given:
-            _fail(f"--recipe sets every option itself; drop {', '.join(given)}")
-        configs = read_recipe(recipe)
-    else:
-        configs = [make_config(method or "rtn", {k: v for k, v in options.items() if v is not None})]
+    configs = _method_configs(method, recipe, options, default="rtn")
     if lm_head != 16:
         configs.append(make_config("lm_head", {"bits": lm_head, "group_size": group_size or 128}))
-    if output.exists():
-        _fail(f"{output} already exists; choose a new output directory")
-    for name, value in (("samples", samples), ("seq-len", seq_len)):
-        if value < 1:
-            _fail(f"--{name} must be at least 1")
+    _check_run(output, samples, seq_len)
     source = resolve(model)
     if qformat.is_quantized(source):
         _fail(f"{model} is already quantized; start from the float model")
     net, tok = load(source, dtype, "cpu")
-    calibration = None
-    if any(getattr(c, "needs_data", False) for c in configs):
-        from leanlm.eval.datasets import calibration_samples, load_text
-
-        calibration = calibration_samples(tok.encode(load_text(data, split="calibration")), samples, seq_len)
+    calibration = _calibration(configs, tok, data, samples, seq_len)
     records = {}
     with Progress(console=err, transient=True) as bar:
         for config in configs:

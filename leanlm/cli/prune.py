@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import DType, Model, _fail, app, err, out
+from leanlm.cli.common import DType, Model, _calibration, _check_run, _fail, _method_configs, app, err, out
 
 
 @app.command()
@@ -50,7 +50,7 @@ def prune(
 
     from leanlm.api import load
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import apply, make_config, read_recipe
+    from leanlm.compress.registry import apply
     from leanlm.compress.sparse.save import save_float
     from leanlm.fetch import atomic_dir
     from leanlm.models.zoo import resolve
@@ -58,29 +58,15 @@ def prune(
     options = {"sparsity": sparsity, "pattern": pattern, "target_params": target_params, "bits": bits, "scope": scope,
                "owl": owl, "heads": heads, "intermediate_size": intermediate_size, "num_layers": num_layers,
                "criterion": criterion}
-    if recipe is not None:
-        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None] + (["--method"] if method else [])
-        if given:
-            _fail(f"--recipe sets every option itself; drop {', '.join(given)}")
-        configs = read_recipe(recipe)
-    elif method is None:
+    if method is None and recipe is None:
         _fail("give --method (magnitude, wanda, sparsegpt, taylor, heads, neurons, layers) or --recipe FILE")
-    else:
-        configs = [make_config(method, {k: v for k, v in options.items() if v is not None})]
-    if output.exists():
-        _fail(f"{output} already exists; choose a new output directory")
-    for name, value in (("samples", samples), ("seq-len", seq_len)):
-        if value < 1:
-            _fail(f"--{name} must be at least 1")
+    configs = _method_configs(method, recipe, options)
+    _check_run(output, samples, seq_len)
     source = resolve(model)
     if qformat.is_quantized(source):
         _fail(f"{model} is quantized; prune the float model (and quantize after, or with sparsegpt --bits)")
     net, tok = load(source, dtype, "cpu")
-    calibration = None
-    if any(getattr(c, "needs_data", False) for c in configs):
-        from leanlm.eval.datasets import calibration_samples, load_text
-
-        calibration = calibration_samples(tok.encode(load_text(data, split="calibration")), samples, seq_len)
+    calibration = _calibration(configs, tok, data, samples, seq_len)
     records: dict[str, dict] = {}
     with Progress(console=err, transient=True) as bar:
         for config in configs:

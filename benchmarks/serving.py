@@ -28,7 +28,7 @@ import torch
 from engine_peers import VLLM_DTYPE, VLLM_VENV, install_vllm_hint, vllm_env  # noqa: I001  (this folder)
 from leanlm.analysis.memory import param_count
 from leanlm.bench.probe import device_name, peaks
-from leanlm.bench.serve import LocalServer, free_port, plot_sweep
+from leanlm.bench.serve import LocalServer, free_port, leanlm_command, plot_sweep
 from leanlm.models.config import ModelConfig
 from leanlm.models.zoo import resolve
 
@@ -44,10 +44,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def leanlm_cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from leanlm.cli import main; main()", *args]
-
-
 def requests_at(level: int) -> int:
     """Two waves at each concurrency, and no fewer than 8 requests."""
     return max(8, 2 * level)
@@ -57,7 +53,7 @@ def load(url: str, level: int, n: int | None = None, output_len: int = OUT, seed
     """One `leanlm bench serve` run against `url` at `level` requests in flight (its own process). Each run of a
     server gets prompts of its own seed: prompts seen before would hit the servers' prefix caches."""
     n = n or requests_at(level)
-    cmd = leanlm_cli("bench", "serve", url, "--model-name", NAME, "--num-prompts", str(n), "--max-concurrency",
+    cmd = leanlm_command("bench", "serve", url, "--model-name", NAME, "--num-prompts", str(n), "--max-concurrency",
                      str(level), "--input-len", str(IN), "--output-len", str(output_len), "--seed", str(seed), "--json")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
@@ -135,7 +131,7 @@ def quantized(model: str, label: str, *args: str) -> str:
     if not path.is_dir():
         CACHE.mkdir(parents=True, exist_ok=True)
         log(f"quantizing {model} -> {path}")
-        subprocess.run(leanlm_cli("quantize", model, *args, "-o", str(path)), check=True)
+        subprocess.run(leanlm_command("quantize", model, *args, "-o", str(path)), check=True)
     return str(path)
 
 
@@ -256,7 +252,7 @@ def main() -> None:
 
     one = at(curves[ours], 1)
     if one:
-        r = subprocess.run(leanlm_cli("bench", args.model, "--json", "--prompt-tokens", str(IN), "--new-tokens",
+        r = subprocess.run(leanlm_command("bench", args.model, "--json", "--prompt-tokens", str(IN), "--new-tokens",
                                       str(OUT)), capture_output=True, text=True, check=True)
         direct = json.loads(r.stdout)
         print(f"\n## 3. One request: HTTP path against `leanlm bench`\n\nTPOT served {one['tpot_ms']['p50']:.1f} ms, "

@@ -2,14 +2,14 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 
+from leanlm.bench.serve import leanlm_command
+
 
 def leanlm(*args, env=None):
-    return subprocess.run([sys.executable, "-c", "from leanlm.cli import main; main()", *map(str, args)],
-                          capture_output=True, text=True, env=env)
+    return subprocess.run(leanlm_command(*map(str, args)), capture_output=True, text=True, env=env)
 
 
 def test_generate_eval_bench_info_on_a_directory(tiny_dir, tmp_path_factory):

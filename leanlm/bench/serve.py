@@ -213,6 +213,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def leanlm_command(*args: str) -> list[str]:
+    """`leanlm ARGS...` as a subprocess command, run by this Python (no PATH lookup of a `leanlm` script)."""
+    return [sys.executable, "-c", "from leanlm.cli import main; main()", *args]
+
+
 class LocalServer:
     """A server command in its own process on a loopback port, ready once GET `health` answers 200 (its own process:
     the load generator's Python must not share a GIL with the server it measures). A context manager; SIGTERM at
@@ -228,8 +233,8 @@ class LocalServer:
     def leanlm(cls, model: str, name: str, serve_args: list[str], timeout: float = 600) -> LocalServer:
         """`leanlm serve MODEL` on a free port, serving it as `name`."""
         port = free_port()
-        return cls([sys.executable, "-c", "from leanlm.cli import main; main()", "serve", model, "--port", str(port),
-                    "--served-model-name", name, *serve_args], port, timeout=timeout)
+        return cls(leanlm_command("serve", model, "--port", str(port), "--served-model-name", name, *serve_args), port,
+                   timeout=timeout)
 
     def __enter__(self) -> LocalServer:
         self.log = tempfile.TemporaryFile("w+")

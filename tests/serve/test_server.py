@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from leanlm.bench.serve import free_port
+from leanlm.bench.serve import free_port, leanlm_command
 from leanlm.engine import AsyncLLM
 from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
@@ -258,12 +258,11 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
     """The CLI verb as deployed: SIGTERM mid-stream lets the stream finish, then the process exits."""
     import signal
     import subprocess
-    import sys
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from leanlm.cli import main; main()", "serve", str(tiny_dir),
-                             "--port", str(port), "--dtype", "float32", "--threads", "1", "--kv-cache-memory", "16MiB",
-                             "--served-model-name", NAME], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(leanlm_command("serve", str(tiny_dir), "--port", str(port), "--dtype", "float32", "--threads",
+                                           "1", "--kv-cache-memory", "16MiB", "--served-model-name", NAME),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while True:

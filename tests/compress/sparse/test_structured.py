@@ -1,5 +1,4 @@
 import copy
-import json
 import struct
 from dataclasses import replace
 
@@ -8,11 +7,11 @@ import torch
 
 from leanlm.cache.static import StaticCache
 from leanlm.compress.registry import apply, make_config, method
+from leanlm.compress.sparse.save import save_float
 from leanlm.compress.sparse.slicing import kv_group_scores, merge_redundant, param_count, select_top
 from leanlm.compress.sparse.structured import Heads, Layers, Neurons, calibration_loss, drop_layers
 from leanlm.errors import LeanLMError
-from leanlm.models.config import hf_config_dict
-from leanlm.models.loading import leanlm_to_hf, load_model
+from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
 
 LAYERS, INTER = 4, 96
@@ -45,17 +44,6 @@ def sources(tmp_path_factory):
     return out
 
 
-def save_hf(model, source, out):
-    """The model as an HF directory: split projections in safetensors, the source's config.json reshaped."""
-    from safetensors.torch import save_file
-
-    out.mkdir(exist_ok=True)
-    save_file(leanlm_to_hf(model), str(out / "model.safetensors"))
-    base = json.loads((source / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(hf_config_dict(model.config, base)))
-    return out
-
-
 def n_params(model):
     return sum(p.numel() for p in model.parameters())  # a tied lm_head counted once
 
@@ -76,7 +64,9 @@ def test_pruned_model_loads_in_transformers_with_equal_logits(sources, tmp_path,
     cfg = model.config
     assert records["model"]["params_before"] == before
     assert n_params(model) == param_count(cfg) == records["model"]["params_after"] < before
-    out = save_hf(model, sources[arch], tmp_path / "pruned")
+    out = tmp_path / "pruned"
+    out.mkdir()
+    save_float(model, sources[arch], out)
     ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert (ref.config.num_hidden_layers, ref.config.num_attention_heads, ref.config.num_key_value_heads,
             ref.config.intermediate_size, ref.config.head_dim) == (

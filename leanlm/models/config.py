@@ -106,3 +106,15 @@ def hf_config_dict(config: ModelConfig, base: dict) -> dict:
     if isinstance(base.get("max_window_layers"), int):
         out["max_window_layers"] = min(base["max_window_layers"], config.num_layers)
     return out
+
+
+def write_hf_config(config: ModelConfig, source: Path, out: Path, dtype: str) -> None:
+    """`out`/config.json: `source`'s config.json with the shape of `config` (hf_config_dict) and its dtype key
+    (torch_dtype or dtype, as the source spells it) naming `dtype`, what the saved weights are in. The one writer
+    of config.json for a saved model, float or quantized: a copy of the source's would describe the model before
+    structured pruning, and the smaller weights would not load."""
+    base = json.loads((Path(source) / "config.json").read_text())
+    written = hf_config_dict(config, base)
+    for key in [k for k in ("torch_dtype", "dtype") if k in base] or ["torch_dtype"]:
+        written[key] = dtype
+    (Path(out) / "config.json").write_text(json.dumps(written, indent=2))

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from leanlm.compress.quant.linear import SCHEMES
 from leanlm.compress.registry import replace
 from leanlm.errors import LeanLMError
+from leanlm.models.config import write_hf_config
 
 RECORD = "quantization.json"
 VERSION = 2  # of quantization.json and the tensors it describes; a reader refuses other versions
@@ -39,6 +40,7 @@ def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> N
         sd.pop("lm_head.weight")  # tied: the same storage as the embedding
     save_file(sd, str(out / "model.safetensors"))
     copy_model_files(source, out)
+    write_hf_config(model.config, source, out, str(model.dtype).removeprefix("torch."))  # a pruned model's shape
     configs = configs if isinstance(configs, (list, tuple)) else [configs]
     record = {"format": "leanlm", "version": VERSION, "recipe": [{"method": c.name, **asdict(c)} for c in configs],
               "dtype": str(model.dtype).removeprefix("torch."), "layers": records}

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from leanlm.compress.quant.format import copy_model_files
 from leanlm.errors import LeanLMError
-from leanlm.models.config import hf_config_dict
+from leanlm.models.config import write_hf_config
 from leanlm.models.loading import leanlm_to_hf
 
 RECORD = "pruning.json"
@@ -26,11 +26,6 @@ def save_float(model, source: Path, out: Path, record: dict | None = None) -> No
     out = Path(out)
     save_file(leanlm_to_hf(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     copy_model_files(source, out)
-    base = json.loads((Path(source) / "config.json").read_text())
-    config = hf_config_dict(model.config, base)
-    dtype = str(model.dtype).removeprefix("torch.")
-    for key in [k for k in ("torch_dtype", "dtype") if k in base] or ["torch_dtype"]:
-        config[key] = dtype  # what the safetensors hold
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_hf_config(model.config, source, out, str(model.dtype).removeprefix("torch."))
     if record is not None:
         (out / RECORD).write_text(json.dumps(record, indent=1))

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from leanlm.cache.static import StaticCache
+from leanlm.compress.quant import format as qformat
+from leanlm.compress.quant.linear import W4A16Linear
+from leanlm.compress.quant.rtn import RTN, Head
 from leanlm.compress.registry import apply, make_config, method
 from leanlm.compress.sparse.save import save_float
 from leanlm.compress.sparse.slicing import kv_group_scores, merge_redundant, param_count, select_top
@@ -204,6 +207,24 @@ def test_pruned_model_decodes_with_a_kv_cache(sources):
     for t in range(8, toks.shape[1]):
         steps.append(model(toks[:, t: t + 1], torch.tensor([[t]]), cache))
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [Heads(heads=2), Neurons(intermediate_size=64), Layers(num_layers=2)],
+                         ids=lambda c: c.name)
+def test_pruned_then_quantized_model_saves_and_loads(sources, tmp_path, config):
+    """The quantized format writes the smaller shape into config.json (a copy of the source's would not load)."""
+    model = load_model(sources["mistral", 4], torch.float32)  # untied lm_head: a quantized one too
+    records = apply(model, config, samples=samples())
+    steps = [config, RTN(4, 32), Head(8)]
+    for step in steps[1:]:
+        records |= apply(model, step)
+    out = tmp_path / "q"
+    out.mkdir()
+    qformat.save(model, records, steps, sources["mistral", 4], out)
+    loaded = load_model(out, torch.float32)
+    assert loaded.config == model.config and isinstance(loaded.layers[0].mlp.down_proj, W4A16Linear)
+    ours = logits(model)
+    assert torch.isfinite(ours).all() and torch.equal(logits(loaded), ours)
 
 
 # --- errors a user can cause ---

@@ -39,6 +39,8 @@ def prune(
                                                       "calibration split)")] = None,
     samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
+    compact: Annotated[bool, typer.Option(help="store int8 layers pruned 2:4 compactly (kept values + position "
+                                               "masks, 0.625 B a weight) for the 2:4 decode kernel")] = True,
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
     dtype: DType = "auto",
 ) -> None:
@@ -74,6 +76,10 @@ def prune(
             step = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
             for name, record in step.items():
                 records[name] = {**records.get(name, {}), **record}  # a layer pruned, then quantized, keeps both
+    if compact:
+        from leanlm.compress.sparse.format import compact_24
+
+        compact_24(net, records)  # int8 layers pruned 2:4 (sparsegpt --bits 8, or a recipe's later rtn/gptq 8)
     quantized = any(hasattr(m, "BITS") for m in net.modules())
     with atomic_dir(output) as tmp:
         if quantized:

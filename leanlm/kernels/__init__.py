@@ -11,6 +11,8 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
     y = ops.int8_gemv_q8(xq, xs, w, scale)  # x = xq [M, K] int8 * xs [M]; scale [N] float32 (W8A8)
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
+    y = ops.int8_24_gemv(x, values, masks, scale)  # sparse.cpp: 2:4-sparse int8 (sparse/format.pack_24), values
+                                                   # [N, K/2] int8, masks [N, ceil(K/8)] uint8, scale [N] bf16
     o = ops.paged_attention(q, k, v, tables, lens, block_size[, k_scale, v_scale])  # decode attention, paged KV
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"))  # one extension; sparse.cpp adds its ops to the namespace
 MAX_ROWS = 16  # rows of x up to which W8A16 runs the kernel; beyond, one bf16 GEMM on the codes (compute-bound)
 
 
@@ -57,7 +60,7 @@ def _build(variant: str):
 
     # the source's hash in the op namespace: compiled graphs that call these ops are cached on disk by inductor,
     # keyed by the graph; a graph calling an op whose signature changed crashed. A new source is a new namespace.
-    source = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
+    source = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:8]
     name = f"leanlm_{source}" if variant == "native" else f"leanlm_{variant}_{source}"
     flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}", *VARIANTS[variant]]
     # torch reuses a cached build whose sources and flags match, and "-march=native" reads the same on every CPU:
@@ -68,7 +71,7 @@ def _build(variant: str):
             print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr)
         with warnings.catch_warnings():  # cpp_extension's own deprecation notices are not the user's concern
             warnings.simplefilter("ignore", DeprecationWarning)
-            load(name=library, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            load(name=library, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  is_python_module=False)
     except Exception as e:  # no compiler, no headers: quantized layers fall back to torch ops (slower)
         warnings.warn(f"leanlm: CPU kernels not built ({type(e).__name__}: {str(e)[:200]}); "
@@ -118,4 +121,5 @@ def _register_fakes(name: str) -> None:
     for op in ("int8_gemv", "int4_gemv"):
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
+    torch.library.register_fake(f"{name}::int8_24_gemv", lambda x, values, masks, scale: product(x, values))
     torch.library.register_fake(f"{name}::paged_attention", lambda q, *_: torch.empty_like(q))

@@ -19,6 +19,7 @@ from torch import nn
 
 from leanlm import kernels
 from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, int_matmul_reference, quantize
+from leanlm.compress.sparse.format import pack_24, unpack_24
 from leanlm.errors import LeanLMError
 from leanlm.runtime import CPU_INT8_GEMM, matmul_dtype
 
@@ -339,4 +340,56 @@ class Int8OutlierLinear(W8A8Linear):
         return super().extra_repr() + f", threshold={self.threshold}"
 
 
-SCHEMES = {cls.SCHEME: cls for cls in (W8A16Linear, W4A16Linear, W8A8Linear, FP8Linear, Int8OutlierLinear)}
+class W8A16Sparse24Linear(_QuantLinearBase):
+    """W8A16Linear's int8 codes and bf16 row scales, 2:4-sparse and stored compactly (compress/sparse/format.py:
+    the 2 kept codes of every 4 inputs and a 4-bit position mask, 5 bits a weight): decode runs the int8_24_gemv
+    kernel (kernels/sparse.cpp), which reads 0.625x the dense kernel's bytes and gives its results exactly;
+    prefill unpacks the codes for one bf16 GEMM.  https://arxiv.org/abs/2104.08378 (2:4 sparsity)"""
+
+    SCHEME = "w8a16_2:4"
+    BITS = 5  # 4 bits of the 8-bit value and 1 of mask per weight
+    SCALE_BITS = 16
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None):
+        super().__init__(in_features, out_features, bias)
+        if in_features % 4:
+            raise LeanLMError(f"2:4 storage needs in_features divisible by 4, got {in_features}; keep this layer "
+                              "as w8a16")
+        self.register_buffer("values", torch.zeros(out_features, in_features // 2, dtype=torch.int8))  # [N, K/2]
+        self.register_buffer("masks", torch.full((out_features, (in_features + 7) // 8), 0x33, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.bfloat16))  # [N]
+        kernels.ops()  # built (or found) now, not first inside a compiled graph
+
+    @classmethod
+    def from_w8(cls, dense: W8A16Linear, name: str = "the layer") -> "W8A16Sparse24Linear":
+        """The same codes and scales in 2:4 storage; a LeanLMError where a group of 4 holds 3 or 4 nonzero codes."""
+        m = cls(dense.in_features, dense.out_features, dense.bias)
+        m.values, m.masks = pack_24(dense.weight.cpu(), name)
+        m.scales = dense.scales.clone()
+        return m.to(dense.weight.device)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> "W8A16Sparse24Linear":
+        """From a float Linear already pruned 2:4 (its zeros stay int8 zeros)."""
+        return cls.from_w8(W8A16Linear.from_float(linear))
+
+    def codes(self) -> torch.Tensor:
+        """The dense int8 codes  # [N, K]"""
+        return unpack_24(self.values, self.masks)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """Float32 weight the kernel uses  # [N, K]"""
+        return self.codes().float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if not x.is_cpu or x2d.shape[0] > kernels.MAX_ROWS or (ops := kernels.ops()) is None:
+            cdt = matmul_dtype(torch.bfloat16, x2d.device)  # prefill: one GEMM on the codes, as W8A16Linear
+            y = F.linear(x2d.to(cdt), self.codes().to(cdt)).float() * self.scales.float()
+        else:
+            y = ops.int8_24_gemv(x2d, self.values, self.masks, self.scales)
+        return self._finish(y, x)
+
+
+SCHEMES = {cls.SCHEME: cls for cls in (W8A16Linear, W4A16Linear, W8A8Linear, FP8Linear, Int8OutlierLinear,
+                                         W8A16Sparse24Linear)}

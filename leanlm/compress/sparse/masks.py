@@ -137,4 +137,4 @@ def module_sparsity(module) -> float:
         g = module.group_size
         zero_code = (8 - module.zeros.float() / module.scales.float()).round().t().repeat_interleave(g, 1)  # [N, K]
         return (unpack_int4(module.weight_packed).float() == zero_code).float().mean().item()
-    return sparsity_of(module.weight)
+    return sparsity_of(module.codes() if hasattr(module, "codes") else module.weight)  # codes(): 2:4 storage

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
+from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear, W8A16Sparse24Linear
 from leanlm.compress.registry import decoder_linears
 from leanlm.compress.sparse.masks import module_sparsity
 from leanlm.compress.sparse.save import RECORD
@@ -77,6 +77,24 @@ def test_sparsegpt_joint_int8(tiny_dir, text, tmp_path):
     assert r.returncode == 0, r.stderr
     down = load_model(out, torch.bfloat16).layers[0].mlp.down_proj
     assert isinstance(down, W8A16Linear) and ((down.weight == 0).sum(1) >= 48).all()  # K = 96
+
+
+def test_sparsegpt_2_4_int8_is_stored_compactly(tiny_dir, text, tmp_path):
+    """2:4 + int8 is saved as W8A16Sparse24Linear (5 bits a weight), with the logits of --no-compact's W8A16Linear."""
+    args = ("--method", "sparsegpt", "--pattern", "2:4", "--bits", "8")
+    runs = {flag: _prune(tiny_dir, text, tmp_path / flag, *args, f"--{flag}") for flag in ("compact", "no-compact")}
+    assert all(r.returncode == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    compact, dense = (load_model(tmp_path / flag, torch.bfloat16) for flag in runs)
+    layers = json.loads((tmp_path / "compact" / qformat.RECORD).read_text())["layers"]
+    for name, rec in layers.items():
+        module = compact.get_submodule(name)
+        assert isinstance(module, W8A16Sparse24Linear) and rec["scheme"] == "w8a16_2:4" and rec["pattern"] == "2:4"
+        assert torch.equal(module.codes(), dense.get_submodule(name).weight)
+    assert isinstance(dense.layers[0].mlp.down_proj, W8A16Linear)
+    tokens = torch.tensor([[1, 5, 9, 2]])
+    assert torch.equal(compact(tokens, torch.arange(4)[None], None), dense(tokens, torch.arange(4)[None], None))
+    r = leanlm("info", tmp_path / "compact")
+    assert r.returncode == 0 and "50.0%" in r.stdout, r.stderr
 
 
 def test_a_smaller_model_is_an_hf_directory(tiny_dir, text, tmp_path):

@@ -1,0 +1,267 @@
+// 2:4-sparse int8 weights read in their compact form (compress/sparse/format.py: pack_24), for decode:
+//   int8_24_gemv: y[m, n] = scale[n] * sum_k x[m, k] w[n, k]   w [N, K] int8 with at most 2 nonzeros per 4 inputs
+// stored as values [N, K/2] int8 (the 2 kept codes of every group of 4, in column order) and masks [N, ceil(K/8)]
+// uint8 (a 4-bit mask per group with exactly 2 bits set, group 2j in the low nibble of byte j, 2j + 1 in the high
+// one): 5 bits a weight instead of 8, so a batch-1 product streams 0.625x the bytes of the dense int8 kernel's.
+//
+// The activation rows are rounded to int16 with a scale per row exactly as cpu.cpp's Rows does (the same codes),
+// and the weights are placed back at their dense positions before the same integer dot products, so the int32
+// sums, and with them the results, equal int8_gemv's on the unpacked codes:
+// - AVX-512 (VBMI2): the 8 mask bytes of 64 inputs, read as one uint64, are the `vpexpandb` mask that moves their
+//   32 kept bytes to their dense positions (zeros between); then `vpdpwssd` as the dense loop.
+// - AVX2: `pshufb` spreads the 8 kept bytes of 16 inputs with a control from a 256-entry table per mask byte.
+// - plain loops in float otherwise (LEANLM_PORTABLE forces them).
+// Compiled into the same extension as cpu.cpp (leanlm/kernels/__init__.py), with the same ISA selection.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifndef LEANLM_NS
+#define LEANLM_NS leanlm
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI2__) && \
+    !defined(LEANLM_PORTABLE)
+#define LEANLM24_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(LEANLM_PORTABLE)
+#define LEANLM24_AVX2 1
+#endif
+#if defined(LEANLM24_AVX512) || defined(LEANLM24_AVX2)
+#define LEANLM24_SIMD 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weights
+constexpr int64_t kChunk = 4096;  // int32 sums go to float this often (as cpu.cpp: no int32 overflow)
+
+// The rows of x as float32 and, for the vector loops, rounded to int16 with a scale per row (round to nearest
+// even of x * 32767 / max|x|, as cpu.cpp's Rows), zero-padded to Kp (a multiple of 64). Per-thread buffers.
+struct Rows {
+  int64_t M, K, Kp;
+  const float* f;
+  const int16_t* q;
+  const float* scale;
+
+  explicit Rows(const at::Tensor& x) : M(x.size(0)), K(x.size(1)), Kp((x.size(1) + 63) / 64 * 64) {
+    thread_local std::vector<float> fb, sb;
+    thread_local std::vector<int16_t> qb;
+    fb.resize(M * K);
+    sb.resize(M);
+    qb.assign(M * Kp, 0);
+    const int64_t sm = x.stride(0), sk = x.stride(1);
+    float* fp = fb.data();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows", [&] {
+      const scalar_t* p = x.data_ptr<scalar_t>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) fp[m * K + k] = float(p[m * sm + k * sk]);
+    });
+    for (int64_t m = 0; m < M; ++m) {
+      const float* row = fp + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      for (int64_t k = 0; k < K; ++k)
+        qb[m * Kp + k] = int16_t(std::min(32767.f, std::max(-32768.f, std::nearbyint(row[k] * inv))));
+      sb[m] = amax / 32767.f;
+    }
+    f = fp, q = qb.data(), scale = sb.data();
+  }
+};
+
+#ifdef LEANLM24_AVX512
+// Rows n0..n1 against M rows of x: 64 inputs a step, their 32 kept bytes expanded to dense positions.
+template <int M>
+void rows24(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int8_t* vals, const uint8_t* masks,
+            const bf16* scale, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t Kv = K / 2, Km = (K + 7) / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* v = vals + n * Kv;
+    const uint8_t* mk = masks + n * Km;
+    __m512 sum[M];
+    for (int m = 0; m < M; ++m) sum[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K; c += kChunk) {
+      const int64_t end = std::min(K, c + kChunk);
+      __m512i acc[M][2];
+      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+      for (int64_t k = c; k < end; k += 64) {
+        const int64_t left = end - k;  // a multiple of 4
+        uint64_t bits = 0;
+        __m512i packed;
+        if (left >= 64) {
+          std::memcpy(&bits, mk + k / 8, 8);
+          packed = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(v + k / 2)));
+        } else {  // the row's last inputs: only its own bytes are read
+          std::memcpy(&bits, mk + k / 8, (left + 7) / 8);
+          bits &= (uint64_t(1) << left) - 1;
+          packed = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8((1u << (left / 2)) - 1, v + k / 2));
+        }
+        const __m512i dense = _mm512_maskz_expand_epi8(bits, packed);
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(dense));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(dense, 1));
+        for (int m = 0; m < M; ++m) {  // x is zero-padded to Kp, a multiple of 64
+          acc[m][0] = _mm512_dpwssd_epi32(acc[m][0], w0, _mm512_loadu_si512(xq + m * Kp + k));
+          acc[m][1] = _mm512_dpwssd_epi32(acc[m][1], w1, _mm512_loadu_si512(xq + m * Kp + k + 32));
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        sum[m] = _mm512_add_ps(sum[m], _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1])));
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(sum[m]) * xs[m] * float(scale[n]);
+  }
+}
+
+#elif defined(LEANLM24_AVX2)
+constexpr int64_t kPrefetch = 2048;  // cpu.cpp's 4 KiB ahead of a dense row, in kept bytes
+
+// For a mask byte (two groups of 4 inputs), the pshufb control that spreads its 4 kept bytes (0..3) over the 8
+// positions; 0x80 (a zero) where nothing is kept. Only the first two set bits of a nibble take a byte.
+constexpr std::array<uint64_t, 256> spread_table() {
+  std::array<uint64_t, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    uint64_t ctl = 0;
+    for (int g = 0; g < 2; ++g) {
+      int rank = 0;
+      for (int i = 0; i < 4; ++i) {
+        uint64_t byte = 0x80;
+        if ((b >> (4 * g + i)) & 1 && rank < 2) byte = 2 * g + rank++;
+        ctl |= byte << (8 * (4 * g + i));
+      }
+    }
+    t[b] = ctl;
+  }
+  return t;
+}
+constexpr std::array<uint64_t, 256> kSpread = spread_table();
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Rows n0..n1 against M rows of x: 16 inputs a step (8 kept bytes, 2 mask bytes), the last K % 16 in integers.
+template <int M>
+void rows24(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int8_t* vals, const uint8_t* masks,
+            const bf16* scale, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t Kv = K / 2, Km = (K + 7) / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* v = vals + n * Kv;
+    const uint8_t* mk = masks + n * Km;
+    __m256 sum[M];
+    int32_t rest[M] = {};
+    for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K; c += kChunk) {
+      const int64_t end = std::min(K, c + kChunk);
+      __m256i acc[M][2];
+      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      int64_t k = c;
+      for (int u = 0; k + 16 <= end; k += 16, u ^= 1) {
+        if (u == 0) _mm_prefetch((const char*)(v + k / 2 + kPrefetch), _MM_HINT_T0);
+        const __m128i ctl = _mm_set_epi64x(int64_t(kSpread[mk[k / 8 + 1]] + 0x0404040404040404ull),
+                                           int64_t(kSpread[mk[k / 8]]));
+        const __m128i dense = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)(v + k / 2)), ctl);
+        const __m256i wv = _mm256_cvtepi8_epi16(dense);
+        for (int m = 0; m < M; ++m)
+          acc[m][u] = _mm256_add_epi32(
+              acc[m][u], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i*)(xq + m * Kp + k))));
+      }
+      for (; k < end; k += 4) {  // 4, 8 or 12 inputs left
+        const int bits = (mk[k / 8] >> (k % 8)) & 15;
+        for (int i = 0, j = 0; i < 4; ++i)
+          if ((bits >> i) & 1 && j < 2) {
+            const int32_t wv = v[k / 2 + j++];
+            for (int m = 0; m < M; ++m) rest[m] += wv * xq[m * Kp + k + i];
+          }
+      }
+      for (int m = 0; m < M; ++m)
+        sum[m] = _mm256_add_ps(sum[m], _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1])));
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = (hsum(sum[m]) + float(rest[m])) * xs[m] * float(scale[n]);
+  }
+}
+#endif
+
+#ifdef LEANLM24_SIMD
+using Rows24 = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const uint8_t*, const bf16*,
+                        float*, int64_t, int64_t, int64_t);
+constexpr Rows24 kRows24[] = {nullptr,   rows24<1>, rows24<2>, rows24<3>, rows24<4>,
+                              rows24<5>, rows24<6>, rows24<7>, rows24<8>};
+#endif
+
+at::Tensor int8_24_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& masks,
+                        const at::Tensor& scale) {
+  const int64_t N = values.size(0), K = 2 * values.size(-1), M = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "int8_24_gemv takes x [M, K] with K = 2 x values' columns (", K,
+              "), got ", x.sizes());
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar && K % 4 == 0,
+              "int8_24_gemv wants int8 values [N, K/2] with K a multiple of 4");
+  TORCH_CHECK(masks.scalar_type() == at::kByte && masks.dim() == 2 && masks.size(0) == N &&
+                  masks.size(1) == (K + 7) / 8,
+              "int8_24_gemv wants uint8 masks [N, ceil(K/8)], got ", masks.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N && scale.is_contiguous(),
+              "int8_24_gemv wants bf16 scales [N]");
+  TORCH_CHECK(values.is_contiguous() && masks.is_contiguous() && values.device().is_cpu() && masks.device().is_cpu(),
+              "int8_24_gemv wants contiguous CPU values and masks");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const Rows r(x);
+  const int8_t* vp = values.data_ptr<int8_t>();
+  const uint8_t* mp = masks.data_ptr<uint8_t>();
+  const bf16* sp = scale.data_ptr<bf16>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+#ifdef LEANLM24_SIMD
+    for (int64_t t = n0; t < n1; t += 64)  // 64 weight rows stay in cache while each block of x rows uses them
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+        kRows24[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, vp, mp, sp, yp + m0 * N, N, t,
+                                            std::min(t + 64, n1));
+#else
+    const int64_t Kv = K / 2, Km = (K + 7) / 8;
+    std::vector<float> acc(M);
+    for (int64_t n = n0; n < n1; ++n) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < K; k += 4) {
+        const int bits = (mp[n * Km + k / 8] >> (k % 8)) & 15;
+        for (int i = 0, j = 0; i < 4; ++i)
+          if ((bits >> i) & 1 && j < 2) {
+            const float wv = vp[n * Kv + k / 2 + j++];
+            for (int64_t m = 0; m < M; ++m) acc[m] += r.f[m * K + k + i] * wv;
+          }
+      }
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = acc[m] * float(sp[n]);
+    }
+#endif
+  });
+  return y;
+}
+
+#if defined(LEANLM24_AVX512)
+#define LEANLM24_ISA "avx512vbmi2"
+#elif defined(LEANLM24_AVX2)
+#define LEANLM24_ISA "avx2"
+#else
+#define LEANLM24_ISA "portable"
+#endif
+std::string sparse_isa() { return LEANLM24_ISA; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(LEANLM_NS, m) {
+  m.def("sparse_isa() -> str", sparse_isa);  // int8_24_gemv's loops: "avx512vbmi2", "avx2" or "portable"
+  m.def("int8_24_gemv(Tensor x, Tensor values, Tensor masks, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) { m.impl("int8_24_gemv", int8_24_gemv); }

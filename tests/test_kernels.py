@@ -60,6 +60,39 @@ def test_int8_gemv_matches_float(ops, N, K, M, dtype):
     assert _rel(y, ref.float()) < 2e-4  # x rounded to int16 (2^-16 of its max), far below bf16's own 2^-9
 
 
+@pytest.mark.parametrize("N, K", [(37, 200), (130, 576), (3, 16)])  # K % 32 != 0, N % 4 != 0: tails
+@pytest.mark.parametrize("M", [1, 3, 4, 9])  # 9: three blocks of rows, the last of one
+def test_bf16_gemm_matches_float(ops, N, K, M):
+    g = torch.Generator().manual_seed(N * M)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(2 * M, K, generator=g).bfloat16()[::2]  # strided rows: the op makes its own contiguous copy
+    ref = x.double() @ w.double().T
+    y = ops.bf16_gemm(x, w)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert _rel(y, ref.float()) < 2 ** -8  # float32 sums, one rounding to bf16
+    with pytest.raises(RuntimeError, match="bf16 x and w"):
+        ops.bf16_gemm(x.float(), w)
+
+
+def test_a_bf16_linear_runs_the_kernel_for_a_few_rows_and_keeps_autograd(monkeypatch):
+    calls = []
+    real = kernels.ops().bf16_gemm if kernels.ops() is not None else None
+    if real is None or not kernels.bf16_product(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("no vector bf16 loop in this build")
+    from leanlm.models.layers import Linear
+
+    layer = Linear(64, 24, bias=True).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    monkeypatch.setattr(kernels, "ops", lambda: type("Ops", (), {"bf16_gemm": lambda *a: calls.append(1) or real(*a)}))
+    with torch.no_grad():
+        y = layer(x)
+    assert calls and _rel(y, ref) < 2 ** -7
+    calls.clear()
+    layer(x).sum().backward()  # weights that want gradients take torch's product, which has a backward
+    assert not calls and layer.weight.grad is not None
+
+
 @pytest.mark.parametrize("N, K", [(37, 200), (130, 576)])
 @pytest.mark.parametrize("M", [1, 3, 19])
 def test_int8_gemv_q8_matches_int_matmul(ops, N, K, M):  # W8A8: the int32 sums exact, not rounded

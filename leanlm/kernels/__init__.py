@@ -1,4 +1,5 @@
-"""leanlm's C++ CPU kernels (cpu.cpp): the int8 and int4 products of W8A16, W4A16 and (decode) W8A8.
+"""leanlm's C++ CPU kernels (cpu.cpp): the int8 and int4 products of W8A16, W4A16 and (decode) W8A8, the bf16
+product of a few rows (batched decode), and paged decode attention.
 
 Integer dot products (AVX-512 VNNI, or AVX2 where the CPU has no AVX-512) on activations rounded to int16; on the
 default model's decode matrices they read weights 2.1-2.7x faster than torch's `_weight_int8pack_mm` and 1.7-2.2x
@@ -13,6 +14,7 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
     y = ops.int8_24_gemv(x, values, masks, scale)  # sparse.cpp: 2:4-sparse int8 (sparse/format.pack_24), values
                                                    # [N, K/2] int8, masks [N, ceil(K/8)] uint8, scale [N] bf16
+    y = ops.bf16_gemm(x, w)  # x [M, K], w [N, K], both bf16 -> [M, N] bf16 (batched decode of 16-bit models)
     o = ops.paged_attention(q, k, v, tables, lens, block_size[, k_scale, v_scale])  # decode attention, paged KV
 """
 
@@ -31,6 +33,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"))  # one extension; sparse.cpp adds its ops to the namespace
 MAX_ROWS = 16  # rows of x up to which W8A16 runs the kernel; beyond, one bf16 GEMM on the codes (compute-bound)
+BF16_ROWS = 16  # rows of x up to which a bf16 Linear runs bf16_gemm (where the CPU has a fast loop for it)
 
 
 # isa -> the flags that select cpu.cpp's loops; -march=native picks the best the CPU has
@@ -87,6 +90,18 @@ def ops():
     return build()
 
 
+def bf16_product(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether bf16_gemm should compute x @ w.T: both bf16 on a CPU whose build has vector loops for it."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not x.is_cpu:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False  # the op has no backward
+    if "bf16" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
+        ns = ops()
+        _loaded["bf16"] = ns is not None and ns.bf16_isa() != "portable"
+    return _loaded["bf16"]
+
+
 def cpu_flags() -> list[str]:
     """This CPU's feature flags from /proc/cpuinfo ("avx2", "avx512f", ...; ARM's "Features"), [] where it has none."""
     try:
@@ -122,4 +137,5 @@ def _register_fakes(name: str) -> None:
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
     torch.library.register_fake(f"{name}::int8_24_gemv", lambda x, values, masks, scale: product(x, values))
+    torch.library.register_fake(f"{name}::bf16_gemm", lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake(f"{name}::paged_attention", lambda q, *_: torch.empty_like(q))

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leanlm import kernels
 from leanlm.models.config import ModelConfig
 from leanlm.runtime import matmul_dtype
 
@@ -15,6 +16,8 @@ class Linear(nn.Linear):
 
     - Compiled single row (decode): a plain reduction, which inductor turns into one fused loop that
       streams the weight once (the library bf16 GEMV pays a large fixed cost per call here).
+    - A few rows (batched decode, up to kernels.BF16_ROWS) of a bf16 weight: leanlm's bf16 kernel, which reads each
+      weight row from memory once for all the rows (torch's GEMM fell to 2-14 GB/s at 2-8 rows here).
     - Several rows (prefill) of a 16-bit weight on a CPU without a GEMM for its dtype (fp16 on x86; bf16 without
       AVX512-BF16 or AMX): the product runs in float32 (runtime.matmul_dtype); the weight stays 16-bit in memory
       because decode reads it whole every token.
@@ -25,6 +28,9 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             y = (x.unsqueeze(-2).float() * w.float()).sum(-1)
             return (y if b is None else y + b.float()).to(x.dtype)
+        if x.numel() <= kernels.BF16_ROWS * x.shape[-1] and kernels.bf16_product(x, w):
+            y = kernels.ops().bf16_gemm(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+            return y if b is None else y + b
         if x.numel() > x.shape[-1] and (cdt := matmul_dtype(w.dtype, w.device)) != w.dtype:
             return F.linear(x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)).to(x.dtype)
         return F.linear(x, w, b)

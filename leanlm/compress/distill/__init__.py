@@ -1,0 +1,1 @@
+"""Knowledge distillation: losses (pure functions), and the trainer that uses them."""

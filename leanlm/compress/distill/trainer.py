@@ -1,0 +1,292 @@
+"""The distillation trainer: a student learns a teacher's next-token distributions on windows of text.
+
+Small enough for a 2-core CPU: float32 master weights with bf16 autocast for the products, AdamW with linear
+warm-up then cosine decay, gradient accumulation, optional gradient checkpointing, a budget in steps, tokens or
+minutes, evaluation (perplexity and KL to the teacher) at intervals, and checkpoints that resume bit for bit
+(the windows of step s are drawn from a generator seeded by s; nothing else is random). A pruned student keeps
+its zeros: the masks are re-applied after every optimizer step (sparse fine-tuning).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
+
+from leanlm.compress.distill import losses
+from leanlm.compress.registry import decoder_linears
+from leanlm.errors import LeanLMError
+from leanlm.eval.datasets import calibration_samples
+from leanlm.eval.perplexity import score
+
+# name -> loss(student logits, teacher logits, labels, config); labels are the next tokens of the text
+LOSSES = {
+    "fkl": lambda s, t, y, c: losses.forward_kl(s, t, c.temperature),
+    "rkl": lambda s, t, y, c: losses.reverse_kl(s, t, c.temperature),
+    "jsd": lambda s, t, y, c: losses.jsd(s, t, c.beta, c.temperature),
+    "skl": lambda s, t, y, c: losses.skew_kl(s, t, c.alpha, False, c.temperature),
+    "srkl": lambda s, t, y, c: losses.skew_kl(s, t, c.alpha, True, c.temperature),
+    "topk": lambda s, t, y, c: losses.topk_kl(s, *t.topk(c.top_k, dim=-1), c.temperature),
+    "slim": lambda s, t, y, c: losses.slim(s, *t.topk(c.top_k, dim=-1), y, c.temperature),
+    "hard": lambda s, t, y, c: losses.hard_label(s, t.argmax(-1)),  # the teacher's greedy labels
+    "ce": lambda s, t, y, c: losses.hard_label(s, y),  # the text's own next tokens: plain fine-tuning
+}
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    loss: str = "fkl"
+    temperature: float = 1.0
+    beta: float = 0.5  # jsd
+    alpha: float = 0.1  # skl, srkl
+    top_k: int = 64  # topk, slim
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup: int = 10  # steps of linear warm-up
+    batch_size: int = 4
+    seq_len: int = 256
+    grad_accum: int = 1
+    steps: int | None = None  # the budget: steps, tokens or minutes (the first given; steps win)
+    tokens: int | None = None
+    minutes: float | None = None
+    eval_every: int = 50
+    eval_tokens: int = 4096
+    checkpoint_every: int = 100
+    gradient_checkpointing: bool = False
+    autocast: bool = True  # bf16 products (float32 master weights and sums)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise LeanLMError(f"unknown distillation loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        if self.temperature <= 0 or self.lr <= 0:
+            raise LeanLMError(f"temperature and lr must be positive (got {self.temperature}, {self.lr})")
+        if min(self.batch_size, self.seq_len, self.grad_accum) < 1 or self.seq_len < 2:
+            raise LeanLMError("batch_size and grad_accum must be at least 1, seq_len at least 2")
+        if self.steps is None and self.tokens is None and self.minutes is None:
+            raise LeanLMError("give a budget: steps, tokens or minutes")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum
+
+    def total_steps(self) -> int | None:
+        """The schedule's length; None for a budget in minutes alone (then it is estimated from the first steps)."""
+        if self.steps is not None:
+            return self.steps
+        return None if self.tokens is None else max(1, math.ceil(self.tokens / self.tokens_per_step))
+
+
+@dataclass
+class History:
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)  # {"step", "ppl", "kl", "top1"}
+    seconds: float = 0.0
+    tokens: int = 0
+
+
+def learning_rate(step: int, total: int, warmup: int, peak: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at `total` (step counts from 0)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def sparsity_masks(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> bool mask of the exact zeros of each decoder projection that has any (a pruned model's)."""
+    return {name: linear.weight == 0 for name, linear in decoder_linears(model) if (linear.weight == 0).any()}
+
+
+@contextmanager
+def checkpointed(model: torch.nn.Module):
+    """Each decoder block recomputes its activations in the backward pass instead of keeping them."""
+    originals = [block.forward for block in model.layers]
+    for block, forward in zip(model.layers, originals):
+        block.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for block in model.layers:
+            del block.forward  # the class's method again
+
+
+class Trainer:
+    """Distils `teacher` into `student` (same vocabulary) on windows of `train_ids` [N]; `eval_ids` [M] for the
+    evaluations. The student trains in float32 (it is converted in place); `out` holds checkpoints."""
+
+    def __init__(self, teacher, student, train_ids: torch.Tensor, eval_ids: torch.Tensor | None,
+                 config: DistillConfig, out: Path | None = None):
+        if teacher.config.vocab_size != student.config.vocab_size:
+            raise LeanLMError(f"teacher and student vocabularies differ ({teacher.config.vocab_size} vs "
+                              f"{student.config.vocab_size} tokens): distillation needs the same tokenizer")
+        if len(train_ids) <= config.seq_len:
+            raise LeanLMError(f"the training text has {len(train_ids)} tokens; seq_len {config.seq_len} needs more")
+        self.teacher, self.student, self.config, self.out = teacher.eval(), student, config, out
+        self.train_ids, self.eval_ids = train_ids, eval_ids
+        student.float().train().requires_grad_(True)
+        self.masks = sparsity_masks(student)
+        self.params = [p for p in student.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
+                                           weight_decay=config.weight_decay)
+        self.history, self.step, self.total = History(), 0, config.total_steps()
+
+    def batch(self, step: int, micro: int) -> torch.Tensor:
+        """The windows of one micro-batch: drawn from a generator seeded by (seed, step, micro)  # [B, T + 1]"""
+        seed = (self.config.seed * 1_000_003 + step) * 1009 + micro
+        return calibration_samples(self.train_ids, self.config.batch_size, self.config.seq_len + 1, seed)
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The configured loss on one micro-batch  # tokens [B, T + 1]"""
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.shape[1])[None].expand_as(inputs)
+        with torch.no_grad():
+            teacher = self.teacher(inputs, positions).float()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast):
+            student = self.student(inputs, positions)
+        return LOSSES[self.config.loss](student.float(), teacher, labels, self.config)
+
+    def train_step(self) -> float:
+        """One optimizer step (grad_accum micro-batches); returns the mean loss."""
+        c = self.config
+        lr = learning_rate(self.step, self.total or c.warmup + 1, c.warmup, c.lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(c.grad_accum):
+            loss = self.loss(self.batch(self.step, micro)) / c.grad_accum
+            loss.backward()
+            total += loss.item()
+        self.optimizer.step()
+        with torch.no_grad():
+            for name, mask in self.masks.items():
+                self.student.get_submodule(name).weight.masked_fill_(mask, 0)
+        self.history.steps.append(self.step)
+        self.history.loss.append(total)
+        self.history.lr.append(lr)
+        self.history.tokens += c.tokens_per_step
+        self.step += 1
+        return total
+
+    def evaluate(self) -> dict:
+        """Perplexity of the student and its KL to the teacher on the first eval_tokens of eval_ids."""
+        self.student.eval()
+        ids = self.eval_ids[: self.config.eval_tokens]
+        ppl, agree = score(self.student, ids, self.teacher, window=self.config.seq_len)
+        self.student.train()
+        result = {"step": self.step, "ppl": ppl.perplexity, "kl": agree.kl, "top1": agree.top1}
+        self.history.evals.append(result)
+        return result
+
+    def done(self) -> bool:
+        c = self.config
+        if self.total is not None and self.step >= self.total:
+            return True
+        return c.minutes is not None and self.history.seconds >= 60 * c.minutes
+
+    def run(self, progress: bool = True) -> History:
+        """Train until the budget is spent, evaluating and checkpointing at the configured intervals."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        c = self.config
+        bar = Progress(TextColumn("distilling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                       TimeRemainingColumn(), console=Console(file=sys.stderr), disable=not progress)
+        context = checkpointed(self.student) if c.gradient_checkpointing else _nothing()
+        if self.eval_ids is not None and not self.history.evals:
+            self.evaluate()
+        with bar, context:
+            task = bar.add_task("", total=self.total, completed=self.step, info="")
+            while not self.done():
+                start = time.perf_counter()
+                loss = self.train_step()
+                self.history.seconds += time.perf_counter() - start
+                if self.total is None and self.step == 3:  # a budget in minutes: size the schedule now
+                    self.total = max(self.step + 1, int(60 * c.minutes / (self.history.seconds / self.step)))
+                    bar.update(task, total=self.total)
+                info = f"loss {loss:.4f}"
+                if self.eval_ids is not None and (self.step % c.eval_every == 0 or self.done()):
+                    e = self.evaluate()
+                    info += f"  ppl {e['ppl']:.2f}  kl {e['kl']:.4f}"
+                bar.update(task, completed=self.step, info=info)
+                if self.out is not None and (self.step % c.checkpoint_every == 0 or self.done()):
+                    self.save_checkpoint(self.out)
+        return self.history
+
+    def save_checkpoint(self, out: Path) -> None:
+        """The student's weights, the optimizer's moments and the trainer's state under out/checkpoint/."""
+        path = Path(out) / "checkpoint"
+        path.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.contiguous() for k, v in self.student.state_dict().items() if not k.startswith("rope_")}
+        if self.student.lm_head_is_embedding:
+            weights.pop("lm_head.weight")  # tied: the embedding's own storage
+        save_file(weights, str(path / "student.safetensors"))
+        moments = {}
+        for i, p in enumerate(self.params):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                moments[f"{i}.{key}"] = value.reshape(1) if value.dim() == 0 else value
+        save_file(moments, str(path / "optimizer.safetensors"))
+        state = {"step": self.step, "total": self.total, "config": asdict(self.config),
+                 "history": asdict(self.history)}
+        (path / "trainer.json").write_text(json.dumps(state))
+
+    def load_checkpoint(self, out: Path) -> None:
+        """Continue from out/checkpoint/: the same config (budget aside) is required."""
+        path = Path(out) / "checkpoint"
+        if not (path / "trainer.json").exists():
+            raise LeanLMError(f"{out} holds no checkpoint to resume (checkpoint/trainer.json)")
+        state = json.loads((path / "trainer.json").read_text())
+        budget = ("steps", "tokens", "minutes")
+        saved = {k: v for k, v in state["config"].items() if k not in budget}
+        mine = {k: v for k, v in asdict(self.config).items() if k not in budget}
+        if saved != mine:
+            changed = sorted(k for k in mine if saved.get(k) != mine[k])
+            raise LeanLMError(f"the checkpoint in {out} was made with other settings ({', '.join(changed)}); "
+                              "resume with the same ones")
+        weights = load_file(str(path / "student.safetensors"))
+        self.student.load_state_dict(weights, strict=False)
+        moments = load_file(str(path / "optimizer.safetensors"))
+        for i, p in enumerate(self.params):
+            entry = {key.split(".", 1)[1]: v for key, v in moments.items() if key.split(".", 1)[0] == str(i)}
+            if entry:
+                entry["step"] = entry["step"].reshape(())
+                self.optimizer.state[p] = entry
+        self.step, self.history = state["step"], History(**state["history"])
+        self.total = self.config.total_steps() or state["total"]
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def plot_history(history: History, path: Path) -> None:
+    """The loss per step and, where evaluated, the student's perplexity, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(history.steps, history.loss, color="tab:blue", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss", color="tab:blue")
+    if history.evals:
+        ax2 = ax.twinx()
+        ax2.plot([e["step"] for e in history.evals], [e["ppl"] for e in history.evals], "o-", color="tab:red")
+        ax2.set_ylabel("perplexity (evaluation)", color="tab:red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

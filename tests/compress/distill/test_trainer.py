@@ -1,0 +1,119 @@
+"""The distillation trainer on tiny random teacher and student models: it lowers the KL to the teacher, resumes
+bit for bit, keeps a pruned student's zeros, and refuses what cannot work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import make_hf_model
+from leanlm.compress.distill.trainer import LOSSES, DistillConfig, Trainer, learning_rate, plot_history
+from leanlm.errors import LeanLMError
+from leanlm.models.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    teacher, student = tmp_path_factory.mktemp("teacher"), tmp_path_factory.mktemp("student")
+    make_hf_model("llama", teacher, seed=0)
+    make_hf_model("llama", student, seed=1, num_hidden_layers=1)
+    return teacher, student
+
+
+def _models(dirs):
+    return load_model(dirs[0], torch.float32), load_model(dirs[1], torch.float32)
+
+
+IDS = torch.randint(3, 128, (4000,), generator=torch.Generator().manual_seed(0))
+
+
+def _config(**kw) -> DistillConfig:
+    return DistillConfig(**{**dict(batch_size=2, seq_len=16, lr=3e-3, warmup=2, steps=6, eval_tokens=256,
+                                   autocast=False), **kw})
+
+
+def test_training_lowers_the_kl_to_the_teacher(dirs):
+    teacher, student = _models(dirs)
+    trainer = Trainer(teacher, student, IDS, IDS[-600:], _config(steps=40, eval_every=40))
+    history = trainer.run(progress=False)
+    first, last = history.evals[0], history.evals[-1]
+    assert last["step"] == 40 and last["kl"] < 0.8 * first["kl"]
+    assert history.tokens == 40 * 2 * 16
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_every_loss_trains_a_step(dirs, loss):
+    teacher, student = _models(dirs)
+    before = [p.detach().clone() for p in student.parameters()]
+    trainer = Trainer(teacher, student, IDS, None, _config(loss=loss, steps=1, top_k=8))
+    trainer.run(progress=False)
+    assert math.isfinite(trainer.history.loss[0])
+    assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
+
+
+def test_a_resumed_run_continues_bit_for_bit(dirs, tmp_path):
+    teacher, student = _models(dirs)
+    Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2)).run(progress=False)
+    straight = [p.detach().clone() for p in student.parameters()]
+
+    teacher, student = _models(dirs)
+    first = Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2), out=tmp_path)
+    while first.step < 3:
+        first.train_step()
+    first.save_checkpoint(tmp_path)
+    teacher, student = _models(dirs)
+    second = Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2), out=tmp_path)
+    second.load_checkpoint(tmp_path)
+    assert second.step == 3 and len(second.history.loss) == 3
+    second.run(progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(straight, student.parameters()))
+    with pytest.raises(LeanLMError, match="lr"):
+        Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2, lr=1e-2)).load_checkpoint(tmp_path)
+
+
+def test_a_pruned_student_keeps_its_zeros(dirs):
+    teacher, student = _models(dirs)
+    w = student.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        w[:, ::2] = 0
+    Trainer(teacher, student, IDS, None, _config(steps=3)).run(progress=False)
+    assert (w[:, ::2] == 0).all() and (w[:, 1::2] != 0).all()
+
+
+def test_gradient_checkpointing_computes_the_same_step(dirs):
+    results = []
+    for flag in (False, True):
+        teacher, student = _models(dirs)
+        Trainer(teacher, student, IDS, None, _config(steps=2, gradient_checkpointing=flag)).run(progress=False)
+        results.append([p.detach().clone() for p in student.parameters()])
+        assert "forward" not in vars(student.layers[0])  # the blocks' own forward is back
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*results))
+
+
+def test_the_schedule_warms_up_then_decays_to_zero():
+    lrs = [learning_rate(s, 100, 10, 1.0) for s in range(101)]
+    assert lrs[0] == 0.1 and lrs[9] == 1.0 and lrs[10] == 1.0
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[100] == 0.0
+
+
+def test_bad_settings_are_refused(dirs, tmp_path):
+    teacher, student = _models(dirs)
+    with pytest.raises(LeanLMError, match="unknown distillation loss"):
+        _config(loss="mse")
+    with pytest.raises(LeanLMError, match="budget"):
+        DistillConfig()
+    with pytest.raises(LeanLMError, match="no checkpoint"):
+        Trainer(teacher, student, IDS, None, _config()).load_checkpoint(tmp_path)
+    other = tmp_path / "other"
+    make_hf_model("llama", other, vocab_size=100)
+    with pytest.raises(LeanLMError, match="same tokenizer"):
+        Trainer(teacher, load_model(other, torch.float32), IDS, None, _config())
+
+
+def test_the_curve_is_drawn(dirs, tmp_path):
+    teacher, student = _models(dirs)
+    history = Trainer(teacher, student, IDS, IDS[-300:], _config(steps=4, eval_every=2)).run(progress=False)
+    plot_history(history, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG" and len(history.evals) == 3

@@ -1,0 +1,46 @@
+"""`leanlm distill` as a user runs it: a student cut from the teacher's layers trains, saves as an ordinary model
+directory with its curve and run record, and an interrupted run resumes; bad input is one clear line."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from leanlm.compress.distill.trainer import DistillConfig
+from leanlm.models.loading import load_model
+from tests.test_cli import leanlm
+
+
+def _text(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. hello world, hello there. " * 40)
+    return path
+
+
+def test_a_student_cut_from_the_teacher_trains_saves_and_resumes(tiny_dir, tmp_path):
+    out = tmp_path / "student"
+    args = ("distill", "--teacher", tiny_dir, "--student-from", tiny_dir, "--keep-layers", "1", "--data",
+            _text(tmp_path), "--batch-size", "2", "--seq-len", "16", "--eval-every", "2", "--lr", "1e-3", "-o", out)
+    r = leanlm(*args, "--steps", "2")
+    assert r.returncode == 0, r.stderr
+    assert "perplexity" in r.stdout and "distilling" not in r.stdout  # the bar went to stderr
+    model = load_model(out, torch.float32)
+    assert model.config.num_layers == 1 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    run = json.loads((out / "distill.json").read_text())
+    assert run["history"]["steps"] == [0, 1] and (out / "curve.png").exists()
+    r = leanlm(*args, "--steps", "4", "--resume")  # a larger budget: two more steps from the checkpoint
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "distill.json").read_text())["history"]["steps"] == [0, 1, 2, 3]
+
+
+def test_bad_input_is_one_clear_line(tiny_dir, tmp_path):
+    r = leanlm("distill", "--teacher", tiny_dir, "--steps", "1", "-o", tmp_path / "x")
+    assert r.returncode != 0 and "--student" in r.stderr and "Traceback" not in r.stderr
+    r = leanlm("distill", "--teacher", tiny_dir, "--student", tiny_dir, "--loss", "mse", "--steps", "1",
+               "-o", tmp_path / "y")
+    assert r.returncode != 0 and "unknown distillation loss" in r.stderr and not (tmp_path / "y").exists()
+    r = leanlm("distill", "--teacher", tiny_dir, "--student-from", tiny_dir, "--keep-layers", "9", "--steps", "1",
+               "-o", tmp_path / "z")
+    assert r.returncode != 0 and "has 2 layers" in r.stderr and not (tmp_path / "z").exists()
+    assert DistillConfig(steps=1).loss == "fkl"

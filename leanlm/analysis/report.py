@@ -54,7 +54,9 @@ def _count(model: Transformer, *names: str) -> int:
 
 
 @torch.inference_mode()
-def memory_report(model: Transformer, batch: int = 1, length: int | None = None) -> Group:
+def memory_report(model: Transformer, batch: int = 1, length: int | None = None, disk: int | None = None) -> Group:
+    """Architecture, memory by formula next to measured (`disk`: the bytes of the model's files, when known), and
+    the sparsity of each projection when the model is pruned."""
     cfg = model.config
     length = min(length or cfg.max_position, cfg.max_position)
     nbytes = model.dtype.itemsize
@@ -86,6 +88,8 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None)
         mem.add_row("quantized weights MB", "quantized params x bits / 8 + the rest x dtype bytes (scales included)",
                     f"{formula / MB:,.1f}", f"{stored_bytes(model) / MB:,.1f}")
         mem.add_row("bits per weight", "", f"{formula * 8 / params:.2f}", f"{stored_bytes(model) * 8 / params:.2f}")
+    if disk is not None:
+        mem.add_row("weights on disk MB", "the files as stored", "", f"{disk / MB:,.1f}")
     mem.add_row("read per decode step MB", "weights - untied embedding", f"{counts.read_per_token * nbytes / MB:,.1f}",
                 f"{weight_bytes_read(model) / MB:,.1f}")
     mem.add_row(f"KV cache MB, {batch} x {length}", f"2 x L x kv_heads x head_dim x {nbytes} B x batch x length",
@@ -99,7 +103,7 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None)
 def sparsity_table(model: Transformer, least: float = 0.05) -> Table | None:
     """Per block, the fraction of each projection's weights that are zero; None for a model not pruned
     (no projection with at least `least` of its weights at 0)."""
-    from leanlm.compress.sparse.masks import module_sparsity
+    from leanlm.compress.sparse.masks import decoder_sparsity, module_sparsity
 
     rows: dict[int, dict[str, float]] = {}
     for name, m in model.named_modules():
@@ -109,7 +113,9 @@ def sparsity_table(model: Transformer, least: float = 0.05) -> Table | None:
     if not rows or max(max(r.values()) for r in rows.values()) < least:
         return None
     projs = list(rows[min(rows)])
-    table = Table("layer", *projs, title="sparsity (fraction of weights that are zero)")
+    zeros, pattern = decoder_sparsity(model)
+    table = Table("layer", *projs, title=f"sparsity (fraction of weights that are zero): {zeros:.1%}"
+                                         + (f", {pattern}" if pattern else ""))
     for block, r in sorted(rows.items()):
         table.add_row(str(block), *(f"{r[p]:.1%}" for p in projs))
     return table

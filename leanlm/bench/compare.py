@@ -25,7 +25,7 @@ MB = 2**20
 class Compared:
     model: str
     bits_per_weight: float  # resident weight bits / stored parameters (scales and 16-bit parts included)
-    disk_mb: float  # the model's safetensors files
+    disk_mb: float  # the model's safetensors files: the bytes actually stored
     memory_mb: float  # resident weights, measured
     formula_mb: float  # parameters x bits per weight (scales included)
     perplexity: float
@@ -34,6 +34,8 @@ class Compared:
     tokens: int  # scored tokens of the text
     tokens_per_s: float | None = None  # batch-1 decode, None when speed was not measured
     mbu: float | None = None
+    sparsity: float = 0.0  # share of the decoder projections' weights that are zero (masks.decoder_sparsity)
+    pattern: str | None = None  # the N:M pattern all of them follow, e.g. "2:4"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +51,7 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
     """Perplexity on a text (default: the built-in evaluation text), size, and agreement with `base`, for
     base + others."""
     from leanlm.api import load
+    from leanlm.compress.sparse.masks import decoder_sparsity
     from leanlm.eval.datasets import load_text
     from leanlm.eval.perplexity import score
     from leanlm.models.zoo import resolve
@@ -62,12 +65,13 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
             raise LeanLMError(f"{name} has another tokenizer than {base}; compare variants of one model")
         ppl, agree = score(net, ids, None if net is ref else ref, progress=progress)
         formula, params = formula_weight_bytes(net)
+        sparsity, pattern = decoder_sparsity(net)
         rows.append(Compared(
             model=name, bits_per_weight=stored_bytes(net) * 8 / params,
             disk_mb=disk_bytes(resolve(name, progress=False)) / MB, memory_mb=stored_bytes(net) / MB,
             formula_mb=formula / MB,
             perplexity=ppl.perplexity, kl=agree.kl if agree else 0.0, top1=agree.top1 if agree else 1.0,
-            tokens=ppl.tokens))
+            tokens=ppl.tokens, sparsity=sparsity, pattern=pattern))
     return rows
 
 

@@ -159,12 +159,17 @@ def compare(
         print(json.dumps([r.to_dict() for r in rows]))
         return
     text = data or "the built-in evaluation text"
-    table = Table(title=f"compared with {base} on {rows[0].tokens if rows else 0} tokens of {text}")
+    table = Table(title=f"compared with {base} on {rows[0].tokens if rows else 0} tokens of {text}",
+                  caption="sparsity: zero weights in the decoder projections (int4: codes at the zero point), "
+                          "N:M when all follow it")
     table.add_column("model", overflow="fold")  # a long path wraps; numbers are never cut
-    for col in ("bits/weight", "disk MB", "memory MB", "formula MB", "perplexity", "KL", "top-1", "tok/s", "MBU"):
+    for col in ("sparsity", "bits/weight", "disk MB", "memory MB", "formula MB", "perplexity", "KL", "top-1", "tok/s",
+                "MBU"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
-        table.add_row(r.model, f"{r.bits_per_weight:.2f}", f"{r.disk_mb:.1f}", f"{r.memory_mb:.1f}", f"{r.formula_mb:.1f}",
+        sparsity = f"{r.sparsity:.0%}" + (f" {r.pattern}" if r.pattern else "") if r.sparsity >= 0.005 else "-"
+        table.add_row(r.model, sparsity, f"{r.bits_per_weight:.2f}", f"{r.disk_mb:.1f}", f"{r.memory_mb:.1f}",
+                      f"{r.formula_mb:.1f}",
                       f"{r.perplexity:.3f}", f"{r.kl:.4f}", f"{r.top1:.1%}",
                       "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
                       "-" if r.mbu is None else f"{r.mbu:.0%}")
@@ -179,9 +184,11 @@ def info(model: Model,
     """Architecture and memory breakdown: textbook formulas next to measured sizes."""
     from leanlm.analysis.report import memory_report
     from leanlm.api import load
+    from leanlm.bench.compare import disk_bytes
+    from leanlm.models.zoo import resolve
 
     net, _ = load(model, dtype, device)
-    out.print(memory_report(net, batch, length))
+    out.print(memory_report(net, batch, length, disk=disk_bytes(resolve(model, progress=False))))
 
 
 @app.command()

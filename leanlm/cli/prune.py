@@ -92,11 +92,9 @@ def prune(
 
 def _summary(net) -> str:
     """The model's shape and how many of its projection weights are zero."""
-    from leanlm.compress.sparse.masks import module_sparsity
+    from leanlm.compress.sparse.masks import decoder_sparsity
 
-    layers = [(module_sparsity(m), m.in_features * m.out_features) for n, m in net.named_modules()
-              if n.startswith("layers.") and hasattr(m, "in_features")]
-    zeros = sum(s * n for s, n in layers) / max(sum(n for _, n in layers), 1)
+    zeros, pattern = decoder_sparsity(net)
     cfg = net.config
     return (f"{cfg.num_layers} layers, {cfg.num_heads} heads, MLP width {cfg.intermediate_size}; "
-            f"{zeros:.1%} of the decoder projections' weights are zero")
+            f"{zeros:.1%} of the decoder projections' weights are zero" + (f" ({pattern})" if pattern else ""))

@@ -68,3 +68,19 @@ def test_compare_cli_json(variants):
                env={**os.environ, "COLUMNS": "250"})
     assert r.returncode == 0, r.stderr
     assert "bits/weight" in r.stdout and "tok/s" in r.stdout
+
+
+def test_compare_shows_each_models_sparsity(variants, tmp_path):
+    from leanlm.compress.registry import make_config
+    from leanlm.compress.sparse.save import save_float
+
+    dirs, text = variants
+    model = load_model(dirs[0], torch.float32)
+    apply(model, make_config("magnitude", {"pattern": "2:4"}))
+    pruned = tmp_path / "pruned"
+    pruned.mkdir()
+    save_float(model, dirs[0], pruned)
+    base, row = quality(dirs[0], [str(pruned)], "bfloat16", "cpu", max_tokens=200, data=text)
+    assert (base.sparsity, base.pattern) == (0.0, None) and (row.sparsity, row.pattern) == (0.5, "2:4")
+    r = leanlm("compare", dirs[0], pruned, "--data", text, "--max-tokens", "200", "--no-speed")
+    assert r.returncode == 0 and "sparsity" in r.stdout and "50% 2:4" in r.stdout, r.stdout

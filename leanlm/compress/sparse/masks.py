@@ -131,10 +131,32 @@ def layer_record(W: torch.Tensor, pattern: tuple[int, int] | None) -> dict:
 def module_sparsity(module) -> float:
     """Fraction of a projection's weights that are pruned, float or quantized: int8 codes of 0, an int4 code
     equal to its group's zero point (which the W4A16 kernel dequantizes to within bf16 rounding of 0)."""
+    return zero_mask(module).float().mean().item()
+
+
+def zero_mask(module) -> torch.Tensor:
+    """Where a projection's weights are pruned, float or quantized (see module_sparsity)  # bool [N, K]"""
     from leanlm.compress.quant.linear import W4A16Linear, unpack_int4
 
     if isinstance(module, W4A16Linear):
         g = module.group_size
         zero_code = (8 - module.zeros.float() / module.scales.float()).round().t().repeat_interleave(g, 1)  # [N, K]
-        return (unpack_int4(module.weight_packed).float() == zero_code).float().mean().item()
-    return sparsity_of(module.codes() if hasattr(module, "codes") else module.weight)  # codes(): 2:4 storage
+        return unpack_int4(module.weight_packed).float() == zero_code
+    return (module.codes() if hasattr(module, "codes") else module.weight) == 0  # codes(): compact 2:4 storage
+
+
+def decoder_sparsity(model) -> tuple[float, str | None]:
+    """(fraction of the decoder projections' weights that are zero, the N:M pattern every one of them follows or
+    None): of M = 4 and 8, the pattern whose least-pruned group of M prunes the largest share (2:4 before 4:8)."""
+    masks = [zero_mask(m) for name, m in model.named_modules() if name.startswith("layers.") and hasattr(m, "in_features")]
+    if not masks:
+        return 0.0, None
+    zeros = sum(int(mask.sum()) for mask in masks) / sum(mask.numel() for mask in masks)
+    best, pattern = 0.0, None
+    for m in (4, 8):
+        if any(mask.shape[1] % m for mask in masks):
+            continue
+        least = min(int(mask.reshape(mask.shape[0], -1, m).sum(-1).min()) for mask in masks)  # zeros in a group
+        if least / m > best:
+            best, pattern = least / m, f"{m - least}:{m}"
+    return zeros, pattern

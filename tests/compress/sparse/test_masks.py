@@ -79,3 +79,21 @@ def test_patterns_parse_fit_and_fix_the_sparsity():
         check_pattern_fits((4, 8), 100, "layers.0.mlp.down_proj")
     with pytest.raises(LeanLMError, match="divisible by 4"):
         nm_mask(_scores(2, 10), 2, 4)
+
+
+@pytest.mark.parametrize("options,expected", [
+    ({"sparsity": 0.0}, (0.0, None)), ({"sparsity": 0.5}, (0.5, None)),  # 2:4 by chance on every row: ~never
+    ({"pattern": "2:4"}, (0.5, "2:4")), ({"pattern": "4:8"}, (0.5, "4:8")), ({"pattern": "1:4"}, (0.75, "1:4"))])
+def test_decoder_sparsity_and_the_pattern_every_projection_follows(tiny, options, expected):
+    import copy
+
+    from leanlm.compress.registry import apply, make_config
+    from leanlm.compress.sparse.masks import decoder_sparsity
+
+    model = copy.deepcopy(tiny[0])
+    apply(model, make_config("magnitude", options))
+    assert decoder_sparsity(model) == pytest.approx(expected)
+    if expected[1] == "2:4":  # quantized, the zeros are the codes at a group's zero point
+        apply(model, make_config("rtn", {"bits": 4, "group_size": 32}))
+        zeros, pattern = decoder_sparsity(model)
+        assert pattern == "2:4" and zeros >= 0.5

@@ -49,6 +49,20 @@ def test_generate_file_runs_prompts_through_the_engine(tiny_dir, tmp_path_factor
     assert r.returncode == 2 and "line 2: unknown field(s) top_q" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_stdout_is_the_completion_even_when_a_gguf_is_converted_first(tmp_path):
+    import os
+
+    from tests.models.test_gguf import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    env = {**os.environ, "LEANLM_CACHE": str(tmp_path / "cache")}
+    args = ("generate", tmp_path / "tiny.gguf", "hello", "--max-tokens", "4", "--threads", "1", "--dtype", "float32")
+    first, again = leanlm(*args, env=env), leanlm(*args, env=env)  # converts, then finds the conversion cached
+    assert first.returncode == 0 and again.returncode == 0, first.stderr
+    assert "converting tiny.gguf" in first.stderr and "converting" not in again.stderr
+    assert first.stdout == again.stdout
+
+
 @pytest.mark.parametrize("args,message", [
     (["generate", "no-such-model", "hi"], "smollm2-135m"),
     (["generate", "/no/such/dir", "hi"], "does not exist"),

@@ -171,10 +171,12 @@ def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _progress(enabled: bool):
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, disable=not enabled, transient=False)
+    # stderr: a conversion can run inside any verb given a .gguf file, whose stdout is its result
+    return Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=False)
 
 
 def write_weights(reader, config: dict, out_file: Path, path: Path, progress: bool = True) -> None:

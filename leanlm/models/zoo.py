@@ -125,10 +125,12 @@ _RECORD = "leanlm.json"
 
 
 def _progress(enabled: bool):
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
-    return Progress(*columns, disable=not enabled)
+    # stderr: a pull can run inside any verb (`leanlm generate zoo-name > out.txt`), whose stdout is its result
+    return Progress(*columns, console=Console(stderr=True), disable=not enabled)
 
 
 def _known() -> str:

@@ -14,8 +14,23 @@ def serve(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8
     from leanlm.serve.app import build_app
 
     app = build_app(llm, model_name, api_key, max_requests)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_seconds)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_seconds,
+                            log_config=_log_config())
     try:
         uvicorn.Server(config).run()
     finally:
         llm.shutdown()
+
+
+def _log_config() -> dict:
+    """uvicorn's logging setup with its access log on stderr too (its default writes that one to stdout, which
+    carries a command's result only)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for handler in config["handlers"].values():
+        if handler.get("stream") == "ext://sys.stdout":
+            handler["stream"] = "ext://sys.stderr"
+    return config

@@ -217,6 +217,13 @@ def test_tokenizer_and_chat_template(converted):
     assert text == "<|im_start|>user\nhi<|im_end|>\n"
 
 
+def test_conversion_progress_goes_to_stderr(tmp_path, capsys):
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "converting tiny.gguf" in captured.err
+
+
 def test_not_gguf_is_refused(tmp_path):
     bad = tmp_path / "notes.gguf"
     bad.write_text("hello, not a model\n")

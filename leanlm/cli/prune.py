@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import DType, Model, _calibration, _check_run, _fail, _method_configs, app, err, out
+from leanlm.cli.common import (DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs, app,
+                               out)
 
 
 @app.command()
@@ -46,14 +47,10 @@ def prune(
 ) -> None:
     """Prune MODEL and save it to -o DIR: a float model as an ordinary HF directory (every verb and transformers
     load it), a sparse + quantized one in leanlm's quantized format."""
-    from dataclasses import asdict
-
-    from rich.progress import Progress
-
     from leanlm.api import load
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import apply
-    from leanlm.compress.sparse.save import save_float
+    from leanlm.compress.registry import recipe_steps
+    from leanlm.compress.sparse.save import read_record, save_float
     from leanlm.fetch import atomic_dir
     from leanlm.models.zoo import resolve
 
@@ -68,14 +65,10 @@ def prune(
     if qformat.is_quantized(source):
         _fail(f"{model} is quantized; prune the float model (and quantize after, or with sparsegpt --bits)")
     net, tok = load(source, dtype, "cpu")
-    calibration = _calibration(configs, tok, data, samples, seq_len)
-    records: dict[str, dict] = {}
-    with Progress(console=err, transient=True) as bar:
-        for config in configs:
-            task = bar.add_task(config.name, total=None)
-            step = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
-            for name, record in step.items():
-                records[name] = {**records.get(name, {}), **record}  # a layer pruned, then quantized, keeps both
+    calibration = _calibration(configs, tok, data, samples, seq_len, net.config.max_position)
+    before = read_record(source)  # a source pruned before: its record goes on with this run's
+    records = _apply_steps(net, configs, calibration, dict(before.get("layers", {})))
+    steps = [*before.get("recipe", []), *configs]
     if compact:
         from leanlm.compress.sparse.format import compact_24
 
@@ -83,10 +76,9 @@ def prune(
     quantized = any(hasattr(m, "BITS") for m in net.modules())
     with atomic_dir(output) as tmp:
         if quantized:
-            qformat.save(net, records, configs, source, tmp)
+            qformat.save(net, records, steps, source, tmp)
         else:
-            recipe_steps = [{"method": c.name, **asdict(c)} for c in configs]
-            save_float(net, source, tmp, {"recipe": recipe_steps, "layers": records})
+            save_float(net, source, tmp, {"recipe": recipe_steps(steps), "layers": records})
     out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}: {_summary(net)})", soft_wrap=True)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from torch import nn
@@ -67,6 +67,12 @@ def read_recipe(path: Path) -> list:
     if not isinstance(steps, list) or not steps or not all(isinstance(s, dict) and "method" in s for s in steps):
         raise LeanLMError(f"recipe {path} must be a non-empty YAML list of steps such as `- method: rtn`")
     return [make_config(step["method"], {k: v for k, v in step.items() if k != "method"}) for step in steps]
+
+
+def recipe_steps(configs: list) -> list[dict]:
+    """A recipe as saved with a model: each step {"method": name, **options}; a step saved before (a dict, e.g.
+    from a pruned source's pruning.json) as it is."""
+    return [c if isinstance(c, dict) else {"method": c.name, **asdict(c)} for c in configs]
 
 
 def apply(model: nn.Module, config, progress=None, samples=None) -> dict[str, dict]:

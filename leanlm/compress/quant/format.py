@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from leanlm.compress.quant.linear import SCHEMES
-from leanlm.compress.registry import replace
+from leanlm.compress.registry import recipe_steps, replace
 from leanlm.errors import LeanLMError
 from leanlm.models.config import write_hf_config
 
@@ -33,8 +32,8 @@ def copy_model_files(source: Path, out: Path) -> None:
 
 
 def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> None:
-    """Write weights, the per-layer record, the method configs (one, or a recipe's list) and the source's
-    config and tokenizer files into `out`."""
+    """Write weights, the per-layer record, the method configs (one, or a recipe's list; steps recorded before,
+    such as a pruned source's, as their dicts) and the source's config and tokenizer files into `out`."""
     sd = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rope_")}
     if model.lm_head_is_embedding:
         sd.pop("lm_head.weight")  # tied: the same storage as the embedding
@@ -42,7 +41,7 @@ def save(model, records: dict[str, dict], configs, source: Path, out: Path) -> N
     copy_model_files(source, out)
     write_hf_config(model.config, source, out, str(model.dtype).removeprefix("torch."))  # a pruned model's shape
     configs = configs if isinstance(configs, (list, tuple)) else [configs]
-    record = {"format": "leanlm", "version": VERSION, "recipe": [{"method": c.name, **asdict(c)} for c in configs],
+    record = {"format": "leanlm", "version": VERSION, "recipe": recipe_steps(configs),
               "dtype": str(model.dtype).removeprefix("torch."), "layers": records}
     (out / RECORD).write_text(json.dumps(record, indent=1))
 

@@ -148,7 +148,8 @@ def zero_mask(module) -> torch.Tensor:
 def decoder_sparsity(model) -> tuple[float, str | None]:
     """(fraction of the decoder projections' weights that are zero, the N:M pattern every one of them follows or
     None): of M = 4 and 8, the pattern whose least-pruned group of M prunes the largest share (2:4 before 4:8)."""
-    masks = [zero_mask(m) for name, m in model.named_modules() if name.startswith("layers.") and hasattr(m, "in_features")]
+    masks = [zero_mask(m) for name, m in model.named_modules()
+             if name.startswith("layers.") and hasattr(m, "in_features")]
     if not masks:
         return 0.0, None
     zeros = sum(int(mask.sum()) for mask in masks) / sum(mask.numel() for mask in masks)

@@ -29,3 +29,15 @@ def save_float(model, source: Path, out: Path, record: dict | None = None) -> No
     write_hf_config(model.config, source, out, str(model.dtype).removeprefix("torch."))
     if record is not None:
         (out / RECORD).write_text(json.dumps(record, indent=1))
+
+
+def read_record(path: Path) -> dict:
+    """What pruned the model at `path`: its pruning.json ({"recipe": [...], "layers": {...}}), {} when it has
+    none."""
+    file = Path(path) / RECORD
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise LeanLMError(f"{file}: not valid JSON ({e}); prune the model again") from None

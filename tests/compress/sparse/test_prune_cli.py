@@ -72,6 +72,33 @@ def test_recipe_sparsegpt_then_gptq_keeps_the_mask(tiny_dir, text, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def test_prune_then_quantize_is_the_recipe_in_one_run(tiny_dir, text, tmp_path):
+    """`leanlm prune` then `leanlm quantize` gives the recipe's model and record, and every verb takes it."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('- {method: sparsegpt, sparsity: 0.5, pattern: "2:4"}\n'
+                      '- {method: gptq, bits: 4, group_size: 32}\n')
+    assert _prune(tiny_dir, text, tmp_path / "one", "--recipe", recipe).returncode == 0
+    r = _prune(tiny_dir, text, tmp_path / "pruned", "--method", "sparsegpt", "--sparsity", "0.5", "--pattern", "2:4")
+    assert r.returncode == 0, r.stderr
+    two = tmp_path / "two"
+    r = leanlm("quantize", tmp_path / "pruned", "--method", "gptq", "--bits", "4", "--group-size", "32", "--data", text,
+               "--samples", "4", "--seq-len", "16", "-o", two)
+    assert r.returncode == 0 and "8 layers quantized" in r.stdout, r.stderr
+    one_record, two_record = (json.loads((tmp_path / d / qformat.RECORD).read_text()) for d in ("one", "two"))
+    assert [s["method"] for s in two_record["recipe"]] == ["sparsegpt", "gptq"]
+    assert two_record["recipe"] == one_record["recipe"] and two_record["layers"] == one_record["layers"]
+    assert {(r["scheme"], r["pattern"]) for r in two_record["layers"].values()} == {("w4a16", "2:4")}
+    one, loaded = load_model(tmp_path / "one", torch.bfloat16), load_model(two, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), loaded.state_dict().values()))
+    for verb, *args in [("generate", "hello", "--max-tokens", "4"),
+                        ("eval", "--data", text, "--window", "64", "--stride", "32"),
+                        ("bench", "--prompt-tokens", "8", "--new-tokens", "4", "--eager")]:
+        r = leanlm(verb, two, *args, "--threads", "1")
+        assert r.returncode == 0, r.stderr
+    r = leanlm("info", two)  # weights GPTQ rounded to a group's zero point count as zero too: 50% or a bit more
+    assert r.returncode == 0 and "sparsity" in r.stdout and ", 2:4" in r.stdout, r.stdout
+
+
 def test_sparsegpt_joint_int8(tiny_dir, text, tmp_path):
     out = tmp_path / "w8"
     r = _prune(tiny_dir, text, out, "--method", "sparsegpt", "--sparsity", "0.5", "--bits", "8")
@@ -121,3 +148,18 @@ def test_bad_input_is_one_clear_line_and_no_directory(tiny_dir, text, tmp_path, 
     r = _prune(tiny_dir, text, out, *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not out.exists() and not list(tmp_path.glob(".never*"))
+
+
+@pytest.mark.parametrize("verb,method", [("prune", "wanda"), ("quantize", "gptq")])
+def test_calibration_without_text_is_one_clear_line_and_no_directory(tiny_dir, tmp_path, verb, method):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = leanlm(verb, tiny_dir, "--method", method, "--data", empty, "-o", tmp_path / "never")
+    assert r.returncode == 2 and "contains no text" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never*"))
+
+
+def test_calibration_windows_longer_than_the_context_are_cut_to_it(tiny_dir, text, tmp_path):
+    out = tmp_path / "long"  # the tiny model's context is 256 tokens
+    r = leanlm("prune", tiny_dir, "--method", "wanda", "--data", text, "--samples", "2", "--seq-len", "300", "-o", out)
+    assert r.returncode == 0 and "windows of 256 tokens" in r.stderr, r.stderr

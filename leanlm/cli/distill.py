@@ -50,8 +50,11 @@ def distill(
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 256,
     grad_accum: Annotated[int, typer.Option(help="micro-batches per optimizer step")] = 1,
     eval_every: Annotated[int, typer.Option(help="evaluate (perplexity, KL to the teacher) every N steps")] = 50,
+    eval_tokens: Annotated[int, typer.Option(help="evaluation tokens (of the built-in evaluation split)")] = 4096,
     gradient_checkpointing: Annotated[bool, typer.Option(help="recompute activations in the backward pass "
                                                               "(less memory, ~1.3x the time)")] = False,
+    qat: Annotated[Optional[str], typer.Option(help="quantization-aware training for w8, w8a8 or w4g128 (w4g64, "
+                                                    "w4g32): saved in leanlm's quantized format")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run whose checkpoint is in -o DIR")] = False,
 ) -> None:
     """Distil TEACHER into a student and save it to -o DIR (an ordinary model directory with curve.png and the
@@ -62,7 +65,9 @@ def distill(
     import torch
 
     from leanlm.api import load
+    from leanlm.compress.distill.qat import QAT, export, prepare
     from leanlm.compress.distill.trainer import DistillConfig, Trainer, plot_history
+    from leanlm.compress.quant import format as qformat
     from leanlm.compress.sparse.save import read_record, save_float
     from leanlm.compress.sparse.structured import drop_layers
     from leanlm.eval.datasets import load_text
@@ -76,14 +81,17 @@ def distill(
         _fail(f"{output} already exists; choose a new output directory (or --resume a run in it)")
     if resume and not (output / "checkpoint" / "trainer.json").exists():
         _fail(f"--resume: {output} holds no checkpoint")
+    qat_config = None if qat is None else QAT.parse(qat)
     config = DistillConfig(loss=loss, temperature=temperature, top_k=top_k, lr=lr, batch_size=batch_size,
                            seq_len=seq_len, grad_accum=grad_accum, steps=steps, tokens=tokens, minutes=minutes,
-                           eval_every=eval_every, gradient_checkpointing=gradient_checkpointing)
+                           eval_every=eval_every, eval_tokens=eval_tokens, gradient_checkpointing=gradient_checkpointing)
     teacher_net, tok = load(teacher, "bfloat16", "cpu")
     source = resolve(student or student_from)
     student_net, _ = load(source, "float32", "cpu")
     if keep is not None:
         drop_layers(student_net, keep_layers(keep, student_net.config.num_layers))
+    if qat_config is not None:
+        prepare(student_net, qat_config)
     train_ids = torch.tensor(tok.encode(load_text(data, split="calibration")))
     eval_ids = torch.tensor(tok.encode(load_text(None, split="evaluation")))
     trainer = Trainer(teacher_net, student_net, train_ids, eval_ids, config, out=output)
@@ -92,7 +100,10 @@ def distill(
     history = trainer.run()
     final = history.evals[-1]
     # a pruned student's pruning.json goes along (its sparsity stays true); the run itself goes to distill.json
-    save_float(student_net.to(torch.bfloat16).eval(), source, output, read_record(source) or None)
+    if qat_config is None:
+        save_float(student_net.to(torch.bfloat16).eval(), source, output, read_record(source) or None)
+    else:
+        qformat.save(student_net.eval(), export(student_net, qat_config), [qat_config], source, output)
     run = {"teacher": str(teacher), "student": str(student or student_from), "keep_layers": keep,
            "config": asdict(config), "history": asdict(history)}
     (output / "distill.json").write_text(json.dumps(run, indent=1))

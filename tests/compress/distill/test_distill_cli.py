@@ -21,7 +21,7 @@ def _text(tmp_path):
 def test_a_student_cut_from_the_teacher_trains_saves_and_resumes(tiny_dir, tmp_path):
     out = tmp_path / "student"
     args = ("distill", "--teacher", tiny_dir, "--student-from", tiny_dir, "--keep-layers", "1", "--data",
-            _text(tmp_path), "--batch-size", "2", "--seq-len", "16", "--eval-every", "2", "--lr", "1e-3", "-o", out)
+            _text(tmp_path), "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "128", "--eval-every", "2", "--lr", "1e-3", "-o", out)
     r = leanlm(*args, "--steps", "2")
     assert r.returncode == 0, r.stderr
     assert "perplexity" in r.stdout and "distilling" not in r.stdout  # the bar went to stderr
@@ -32,6 +32,18 @@ def test_a_student_cut_from_the_teacher_trains_saves_and_resumes(tiny_dir, tmp_p
     r = leanlm(*args, "--steps", "4", "--resume")  # a larger budget: two more steps from the checkpoint
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "distill.json").read_text())["history"]["steps"] == [0, 1, 2, 3]
+
+
+def test_qat_saves_a_quantized_model(tiny_dir, tmp_path):
+    from leanlm.compress.quant import format as qformat
+
+    out = tmp_path / "qat"
+    r = leanlm("distill", "--teacher", tiny_dir, "--student", tiny_dir, "--qat", "w4g32", "--data", _text(tmp_path),
+               "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "128", "--steps", "2", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert qformat.is_quantized(out)
+    model = load_model(out, torch.bfloat16)
+    assert {type(m).__name__ for m in model.modules()} >= {"W4A16Linear"}
 
 
 def test_bad_input_is_one_clear_line(tiny_dir, tmp_path):

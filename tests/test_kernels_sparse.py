@@ -40,6 +40,12 @@ def test_int8_24_gemv_matches_float_and_the_dense_kernel(ops, N, K, M, dtype):  
         assert torch.equal(y, dense)  # the same integer sums: the same floats
 
 
+@pytest.mark.parametrize("N, K", [(37, 200), (3, 12), (5, 132)])
+def test_int8_24_unpack_gives_the_codes(ops, N, K):  # noqa: F811
+    q = _sparse_codes(N, K, torch.Generator().manual_seed(K))
+    assert torch.equal(ops.int8_24_unpack(*pack_24(q)), q)
+
+
 def test_bad_arguments_raise(ops):  # noqa: F811
     values, masks, scale = torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4)
     with pytest.raises(RuntimeError, match="K = 2 x values' columns"):
@@ -48,6 +54,8 @@ def test_bad_arguments_raise(ops):  # noqa: F811
         ops.int8_24_gemv(torch.zeros(1, 64), values, masks[:, :4], scale.bfloat16())
     with pytest.raises(RuntimeError, match="bf16 scales"):
         ops.int8_24_gemv(torch.zeros(1, 64), values, masks, scale)
+    with pytest.raises(RuntimeError, match="int8_24_unpack wants"):
+        ops.int8_24_unpack(values, masks[:, :4])
 
 
 def test_runs_inside_a_compiled_graph():

@@ -53,6 +53,8 @@ def distill(
     eval_tokens: Annotated[int, typer.Option(help="evaluation tokens (of the built-in evaluation split)")] = 4096,
     gradient_checkpointing: Annotated[bool, typer.Option(help="recompute activations in the backward pass "
                                                               "(less memory, ~1.3x the time)")] = False,
+    logit_cache: Annotated[Optional[Path], typer.Option(help="topk, slim: keep the teacher's top-k logits of each "
+                                                             "step here, so later runs skip the teacher")] = None,
     qat: Annotated[Optional[str], typer.Option(help="quantization-aware training for w8, w8a8 or w4g128 (w4g64, "
                                                     "w4g32): saved in leanlm's quantized format")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run whose checkpoint is in -o DIR")] = False,
@@ -94,7 +96,7 @@ def distill(
         prepare(student_net, qat_config)
     train_ids = torch.tensor(tok.encode(load_text(data, split="calibration")))
     eval_ids = torch.tensor(tok.encode(load_text(None, split="evaluation")))
-    trainer = Trainer(teacher_net, student_net, train_ids, eval_ids, config, out=output)
+    trainer = Trainer(teacher_net, student_net, train_ids, eval_ids, config, out=output, logit_cache=logit_cache)
     if resume:
         trainer.load_checkpoint(output)
     history = trainer.run()

@@ -14,6 +14,7 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
     y = ops.int8_24_gemv(x, values, masks, scale)  # sparse.cpp: 2:4-sparse int8 (sparse/format.pack_24), values
                                                    # [N, K/2] int8, masks [N, ceil(K/8)] uint8, scale [N] bf16
+    w = ops.int8_24_unpack(values, masks)  # their dense int8 codes [N, K]
     y = ops.bf16_gemm(x, w)  # x [M, K], w [N, K], both bf16 -> [M, N] bf16 (batched decode of 16-bit models)
     o = ops.paged_attention(q, k, v, tables, lens, block_size[, k_scale, v_scale])  # decode attention, paged KV
 """
@@ -137,5 +138,6 @@ def _register_fakes(name: str) -> None:
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
     torch.library.register_fake(f"{name}::int8_24_gemv", lambda x, values, masks, scale: product(x, values))
+    torch.library.register_fake(f"{name}::int8_24_unpack", lambda v, m: v.new_empty(v.shape[0], 2 * v.shape[1]))
     torch.library.register_fake(f"{name}::bf16_gemm", lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake(f"{name}::paged_attention", lambda q, *_: torch.empty_like(q))

@@ -11,6 +11,7 @@
 //   32 kept bytes to their dense positions (zeros between); then `vpdpwssd` as the dense loop.
 // - AVX2: `pshufb` spreads the 8 kept bytes of 16 inputs with a control from a 256-entry table per mask byte.
 // - plain loops in float otherwise (LEANLM_PORTABLE forces them).
+// int8_24_unpack writes the dense codes [N, K] with the same expansion (prefill runs one bf16 GEMM on them).
 // Compiled into the same extension as cpu.cpp (leanlm/kernels/__init__.py), with the same ISA selection.
 
 #include <ATen/Dispatch.h>
@@ -248,6 +249,48 @@ at::Tensor int8_24_gemv(const at::Tensor& x, const at::Tensor& values, const at:
   return y;
 }
 
+// The dense codes [N, K] of the compact form, for prefill's GEMM (and checks): the kernels' expansion, stored.
+void unpack_row(const int8_t* v, const uint8_t* mk, int64_t K, int8_t* out) {
+  int64_t k = 0;
+#if defined(LEANLM24_AVX512)
+  for (; k < K; k += 64) {
+    const int64_t left = std::min<int64_t>(64, K - k);
+    uint64_t bits = 0;
+    std::memcpy(&bits, mk + k / 8, (left + 7) / 8);
+    const __mmask32 kept = left == 64 ? ~0u : (1u << (left / 2)) - 1;
+    const __m512i packed = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(kept, v + k / 2));
+    const __mmask64 all = left == 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1;
+    _mm512_mask_storeu_epi8(out + k, all, _mm512_maskz_expand_epi8(bits & all, packed));
+  }
+#elif defined(LEANLM24_AVX2)
+  for (; k + 16 <= K; k += 16) {
+    const __m128i ctl = _mm_set_epi64x(int64_t(kSpread[mk[k / 8 + 1]] + 0x0404040404040404ull),
+                                       int64_t(kSpread[mk[k / 8]]));
+    _mm_storeu_si128((__m128i*)(out + k), _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)(v + k / 2)), ctl));
+  }
+#endif
+  for (; k < K; k += 4) {
+    const int bits = (mk[k / 8] >> (k % 8)) & 15;
+    for (int i = 0, j = 0; i < 4; ++i) out[k + i] = (bits >> i) & 1 && j < 2 ? v[k / 2 + j++] : 0;
+  }
+}
+
+at::Tensor int8_24_unpack(const at::Tensor& values, const at::Tensor& masks) {
+  const int64_t N = values.size(0), K = 2 * values.size(-1);
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar && K % 4 == 0 && masks.dim() == 2 &&
+                  masks.scalar_type() == at::kByte && masks.size(0) == N && masks.size(1) == (K + 7) / 8 &&
+                  values.is_contiguous() && masks.is_contiguous(),
+              "int8_24_unpack wants contiguous int8 values [N, K/2] (K % 4 == 0) and uint8 masks [N, ceil(K/8)]");
+  at::Tensor w = at::empty({N, K}, values.options());
+  const int8_t* vp = values.data_ptr<int8_t>();
+  const uint8_t* mp = masks.data_ptr<uint8_t>();
+  int8_t* wp = w.data_ptr<int8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) unpack_row(vp + n * (K / 2), mp + n * ((K + 7) / 8), K, wp + n * K);
+  });
+  return w;
+}
+
 #if defined(LEANLM24_AVX512)
 #define LEANLM24_ISA "avx512vbmi2"
 #elif defined(LEANLM24_AVX2)
@@ -262,6 +305,10 @@ std::string sparse_isa() { return LEANLM24_ISA; }
 TORCH_LIBRARY_FRAGMENT(LEANLM_NS, m) {
   m.def("sparse_isa() -> str", sparse_isa);  // int8_24_gemv's loops: "avx512vbmi2", "avx2" or "portable"
   m.def("int8_24_gemv(Tensor x, Tensor values, Tensor masks, Tensor scale) -> Tensor");
+  m.def("int8_24_unpack(Tensor values, Tensor masks) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) { m.impl("int8_24_gemv", int8_24_gemv); }
+TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
+  m.impl("int8_24_gemv", int8_24_gemv);
+  m.impl("int8_24_unpack", int8_24_unpack);
+}

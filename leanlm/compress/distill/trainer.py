@@ -35,11 +35,12 @@ LOSSES = {
     "jsd": lambda s, t, y, c: losses.jsd(s, t, c.beta, c.temperature),
     "skl": lambda s, t, y, c: losses.skew_kl(s, t, c.alpha, False, c.temperature),
     "srkl": lambda s, t, y, c: losses.skew_kl(s, t, c.alpha, True, c.temperature),
-    "topk": lambda s, t, y, c: losses.topk_kl(s, *t.topk(c.top_k, dim=-1), c.temperature),
-    "slim": lambda s, t, y, c: losses.slim(s, *t.topk(c.top_k, dim=-1), y, c.temperature),
+    "topk": lambda s, t, y, c: losses.topk_kl(s, *t, c.temperature),  # t: the teacher's (values, indices)
+    "slim": lambda s, t, y, c: losses.slim(s, *t, y, c.temperature),
     "hard": lambda s, t, y, c: losses.hard_label(s, t.argmax(-1)),  # the teacher's greedy labels
     "ce": lambda s, t, y, c: losses.hard_label(s, y),  # the text's own next tokens: plain fine-tuning
 }
+TOPK = {"topk", "slim"}  # the losses that read only the teacher's top-k logits: those can be cached on disk
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,12 @@ def checkpointed(model: torch.nn.Module):
 
 class Trainer:
     """Distils `teacher` into `student` (same vocabulary) on windows of `train_ids` [N]; `eval_ids` [M] for the
-    evaluations. The student trains in float32 (it is converted in place); `out` holds checkpoints."""
+    evaluations. The student trains in float32 (it is converted in place); `out` holds checkpoints;
+    `logit_cache` the teacher's top-k logits of each step (topk and slim losses), so that the teacher runs once
+    for any number of students or runs on the same windows."""
 
     def __init__(self, teacher, student, train_ids: torch.Tensor, eval_ids: torch.Tensor | None,
-                 config: DistillConfig, out: Path | None = None):
+                 config: DistillConfig, out: Path | None = None, logit_cache: Path | None = None):
         if teacher.config.vocab_size != student.config.vocab_size:
             raise LeanLMError(f"teacher and student vocabularies differ ({teacher.config.vocab_size} vs "
                               f"{student.config.vocab_size} tokens): distillation needs the same tokenizer")
@@ -135,6 +138,7 @@ class Trainer:
             raise LeanLMError(f"the training text has {len(train_ids)} tokens; seq_len {config.seq_len} needs more")
         self.teacher, self.student, self.config, self.out = teacher.eval(), student, config, out
         self.train_ids, self.eval_ids = train_ids, eval_ids
+        self.logit_cache = None if logit_cache is None else Path(logit_cache)
         student.float().train().requires_grad_(True)
         self.masks = sparsity_masks(student)
         self.params = [p for p in student.parameters() if p.requires_grad]
@@ -147,12 +151,32 @@ class Trainer:
         seed = (self.config.seed * 1_000_003 + step) * 1009 + micro
         return calibration_samples(self.train_ids, self.config.batch_size, self.config.seq_len + 1, seed)
 
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The configured loss on one micro-batch  # tokens [B, T + 1]"""
+    def teacher_logits(self, inputs: torch.Tensor, key: str):
+        """The teacher's logits [B, T, V] on inputs [B, T], or for the top-k losses its (values, indices) [B, T, k],
+        read from the logit cache when an earlier run (another student, a resumed run) stored them."""
+        positions = torch.arange(inputs.shape[1])[None].expand_as(inputs)
+        if self.config.loss not in TOPK:
+            with torch.no_grad():
+                return self.teacher(inputs, positions).float()
+        file = None if self.logit_cache is None else self.logit_cache / f"{key}.safetensors"
+        if file is not None and file.exists():
+            stored = load_file(str(file))
+            if torch.equal(stored["inputs"], inputs) and stored["values"].shape[-1] == self.config.top_k:
+                return stored["values"].float(), stored["indices"].long()
+        with torch.no_grad():
+            values, indices = self.teacher(inputs, positions).float().topk(self.config.top_k, dim=-1)
+        if file is not None:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"inputs": inputs.contiguous(), "values": values.to(torch.bfloat16).contiguous(),
+                       "indices": indices.to(torch.int32).contiguous()}, str(file))
+            values = values.to(torch.bfloat16).float()  # what a later run reads back: every run trains alike
+        return values, indices
+
+    def loss(self, tokens: torch.Tensor, key: str = "") -> torch.Tensor:
+        """The configured loss on one micro-batch; `key` names its teacher logits in the cache  # tokens [B, T + 1]"""
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(inputs.shape[1])[None].expand_as(inputs)
-        with torch.no_grad():
-            teacher = self.teacher(inputs, positions).float()
+        teacher = self.teacher_logits(inputs, key)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast):
             student = self.student(inputs, positions)
         return LOSSES[self.config.loss](student.float(), teacher, labels, self.config)
@@ -166,7 +190,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in range(c.grad_accum):
-            loss = self.loss(self.batch(self.step, micro)) / c.grad_accum
+            loss = self.loss(self.batch(self.step, micro), f"{self.step}-{micro}") / c.grad_accum
             loss.backward()
             total += loss.item()
         self.optimizer.step()

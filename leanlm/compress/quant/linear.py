@@ -375,6 +375,8 @@ class W8A16Sparse24Linear(_QuantLinearBase):
 
     def codes(self) -> torch.Tensor:
         """The dense int8 codes  # [N, K]"""
+        if self.values.is_cpu and (ops := kernels.ops()) is not None:
+            return ops.int8_24_unpack(self.values, self.masks)  # ~100x faster than unpack_24's torch ops
         return unpack_24(self.values, self.masks)
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -117,3 +117,18 @@ def test_the_curve_is_drawn(dirs, tmp_path):
     history = Trainer(teacher, student, IDS, IDS[-300:], _config(steps=4, eval_every=2)).run(progress=False)
     plot_history(history, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG" and len(history.evals) == 3
+
+
+def test_top_k_teacher_logits_are_cached_and_reused(dirs, tmp_path):
+    teacher, student = _models(dirs)
+    config = _config(loss="topk", top_k=8, steps=3)
+    Trainer(teacher, student, IDS, None, config, logit_cache=tmp_path).run(progress=False)
+    first = [p.detach().clone() for p in student.parameters()]
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
+
+    calls = []
+    teacher, student = _models(dirs)
+    teacher.register_forward_hook(lambda *a: calls.append(1))
+    Trainer(teacher, student, IDS, None, config, logit_cache=tmp_path).run(progress=False)
+    assert not calls  # every step's logits came from the cache
+    assert all(torch.equal(a, b) for a, b in zip(first, student.parameters()))

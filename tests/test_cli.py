@@ -31,6 +31,20 @@ def test_generate_eval_bench_info_on_a_directory(tiny_dir, tmp_path_factory):
     assert r.returncode == 0 and "KV cache" in r.stdout
 
 
+def test_eval_defaults_fit_a_short_context(tiny_dir, tmp_path_factory):
+    """The default window (1024) and stride (512) are cut to a 256-token context; a stride the user gave is cut
+    with a note on stderr."""
+    text = tmp_path_factory.mktemp("data") / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 80)
+    args = ("eval", tiny_dir, "--data", text, "--json", "--threads", "1", "--dtype", "float32")
+    r = leanlm(*args)
+    assert r.returncode == 0, r.stderr
+    assert (json.loads(r.stdout)["window"], json.loads(r.stdout)["stride"]) == (256, 256) and "stride" not in r.stderr
+    r = leanlm(*args, "--stride", "300")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stride"] == 256 and "--stride 300 is more than the 256-token window" in r.stderr
+
+
 def test_generate_file_runs_prompts_through_the_engine(tiny_dir, tmp_path_factory):
     prompts = tmp_path_factory.mktemp("prompts") / "p.jsonl"
     lines = [{"prompt": "hello world", "max_tokens": 4, "ignore_eos": True},

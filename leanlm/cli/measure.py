@@ -20,8 +20,9 @@ def eval_(
     json_: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     reference: Annotated[Optional[str], typer.Option(help="also report KL and top-1 agreement against this model")] = None,
     max_tokens: Annotated[int, typer.Option(help="score at most this many tokens of the text")] = 16384,
-    window: Annotated[int, typer.Option(help="tokens per window")] = 1024,
-    stride: Annotated[int, typer.Option(help="tokens between window starts (< window: overlapping context)")] = 512,
+    window: Annotated[int, typer.Option(help="tokens per window (at most the model's context)")] = 1024,
+    stride: Annotated[Optional[int], typer.Option(help="tokens between window starts (< window: overlapping "
+                                                       "context; default 512, at most the window)")] = None,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Perplexity of MODEL on a text (sliding window; see leanlm.eval.perplexity)."""
@@ -29,16 +30,19 @@ def eval_(
     from rich.progress import Progress
 
     from leanlm.eval.datasets import load_text
-    from leanlm.eval.perplexity import score, scored_tokens
+    from leanlm.eval.perplexity import DEFAULT_STRIDE, score, scored_tokens
 
     if max_tokens < 2:
         _fail("--max-tokens must be at least 2")
     net, tok, threads = _load(model, dtype, device, threads, quiet=json_)
     ids = torch.tensor(tok.encode(load_text(data))[:max_tokens])
     ref = _load(reference, dtype, device, threads, quiet=json_)[0] if reference else None
+    window = min(window, net.config.max_position, ref.config.max_position if ref else window)  # the context
+    if stride is not None and stride > window:
+        err.print(f"--stride {stride} is more than the {window}-token window; using {window}")
+    stride = min(DEFAULT_STRIDE if stride is None else stride, window)
     with Progress(console=err, transient=True, disable=json_) as bar:
-        task = bar.add_task("perplexity" + (" and agreement" if ref else ""),
-                            total=scored_tokens(len(ids), min(window, net.config.max_position), min(stride, window)))
+        task = bar.add_task("perplexity" + (" and agreement" if ref else ""), total=scored_tokens(len(ids), window, stride))
         result, agree = score(net, ids, ref, window, stride, progress=lambda n: bar.advance(task, n))
     report = {"model": model, "perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens,
               "window": window, "stride": stride, "dtype": str(net.dtype).removeprefix("torch."), "threads": threads,

@@ -311,19 +311,23 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-structured", action="store_true")
     ap.add_argument("--no-compact", action="store_true", help="skip 2:4 + W8 compact vs dense W8 (first model)")
+    ap.add_argument("--no-speed", action="store_true", help="structured: perplexity only, no decode speed")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 x 256 calibration, 2048 evaluation "
                                                          "tokens, one speed round")
     args = ap.parse_args()
     if args.quick:
         args.samples, args.seq_len, args.max_tokens, args.repeats = 8, 256, 2048, 1
     args.methods = args.methods.split(",")
+    import torch
+
+    torch.set_num_threads(args.threads)  # perplexity runs in this process
     out = Console(width=180)
     for i, model in enumerate(args.models.split(",")):
         b = Bench(model, args)
         for table in unstructured_tables(b):
             out.print(table)
         if not args.no_structured:
-            out.print(structured_table(b, with_speed=i == 0))
+            out.print(structured_table(b, with_speed=i == 0 and not args.no_speed))
         if not args.no_compact and i == 0:
             out.print(compact_24_w8(b))
 

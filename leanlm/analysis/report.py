@@ -101,8 +101,8 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None,
 
 
 def sparsity_table(model: Transformer, least: float = 0.05) -> Table | None:
-    """Per block, the fraction of each projection's weights that are zero; None for a model not pruned
-    (no projection with at least `least` of its weights at 0)."""
+    """Per block, the fraction of each projection's weights pruned to zero (masks.module_sparsity); None for a
+    model not pruned (no projection with at least `least` of its weights pruned)."""
     from leanlm.compress.sparse.masks import decoder_sparsity, module_sparsity
 
     rows: dict[int, dict[str, float]] = {}

@@ -76,6 +76,7 @@ def _apply_steps(net, configs: list, calibration, records: dict[str, dict], tota
     from rich.progress import Progress
 
     from leanlm.compress.registry import apply
+    from leanlm.compress.sparse.masks import note_pruning
 
     with Progress(console=err, transient=True) as bar:
         for config in configs:
@@ -83,4 +84,5 @@ def _apply_steps(net, configs: list, calibration, records: dict[str, dict], tota
             step = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
             for name, record in step.items():
                 records[name] = {**records.get(name, {}), **record}
+    note_pruning(net, records)  # a quantized layer's codes cannot say what pruning did before
     return records

@@ -164,8 +164,8 @@ def compare(
         return
     text = data or "the built-in evaluation text"
     table = Table(title=f"compared with {base} on {rows[0].tokens if rows else 0} tokens of {text}",
-                  caption="sparsity: zero weights in the decoder projections (int4: codes at the zero point), "
-                          "N:M when all follow it")
+                  caption="sparsity: decoder-projection weights pruned to zero (a quantized layer: as its "
+                          "pruning recorded), N:M when all follow it")
     table.add_column("model", overflow="fold")  # a long path wraps; numbers are never cut
     for col in ("sparsity", "bits/weight", "disk MB", "memory MB", "formula MB", "perplexity", "KL", "top-1", "tok/s",
                 "MBU"):

@@ -42,6 +42,7 @@ def test_quality_rows(variants):
     assert base.tokens == w8.tokens == w4.tokens > 100
     assert 0 < w8.kl < w4.kl and 0.9 < w4.top1 <= 1 and 0.9 < w8.top1 <= 1  # near-flat logits: ties decide top-1
     assert 16 > w8.bits_per_weight > w4.bits_per_weight
+    assert all((row.sparsity, row.pattern) == (0.0, None) for row in (w8, w4))  # dense: no code is a pruned weight
     for row in (base, w8, w4):  # resident weights follow the formula (scales are the difference)
         assert row.formula_mb <= row.memory_mb <= 1.1 * row.formula_mb
     for row in (w8, w4):  # saved as they are resident (the base directory holds float32 weights); the safetensors

@@ -11,12 +11,12 @@ from safetensors.torch import save_file
 
 from leanlm.compress.quant.linear import SCHEMES
 from leanlm.compress.registry import recipe_steps, replace
+from leanlm.compress.sparse.masks import PRUNING_KEYS, note_pruning
 from leanlm.errors import LeanLMError
 from leanlm.models.config import write_hf_config
 
 RECORD = "quantization.json"
 VERSION = 2  # of quantization.json and the tensors it describes; a reader refuses other versions
-PRUNING_KEYS = ("sparsity", "pattern")  # what a pruned layer's record adds to its scheme's options
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -69,4 +69,5 @@ def restore_modules(model, path: Path) -> set[str]:
         except TypeError:
             raise LeanLMError(f"{path}/{RECORD}: layer {name} has options {options} that {rec['scheme']} "
                               "does not take; re-quantize with this leanlm") from None
+    note_pruning(model, quantized)  # what pruning did before quantizing: the codes cannot say
     return {name + "." for name in quantized}

@@ -128,36 +128,61 @@ def layer_record(W: torch.Tensor, pattern: tuple[int, int] | None) -> dict:
     return {"sparsity": round(sparsity_of(W), 6), "pattern": "unstructured" if pattern is None else "%d:%d" % pattern}
 
 
+PRUNING_KEYS = ("sparsity", "pattern")  # what a pruned layer's record adds to its scheme's options
+
+
+def note_pruning(model, records: dict[str, dict]) -> None:
+    """Keep on each quantized projection what pruning did to it before (its record's sparsity and pattern, as
+    `module.pruning`), which module_sparsity reads: its codes cannot say (see zero_mask)."""
+    modules = dict(model.named_modules())
+    for name, record in records.items():
+        module = modules.get(name)
+        if hasattr(module, "BITS") and "sparsity" in record:
+            module.pruning = {k: record[k] for k in PRUNING_KEYS if k in record}
+
+
+def zero_mask(module) -> torch.Tensor | None:
+    """Where a projection's weights are exactly 0 as stored: a float weight's zeros, a compact 2:4 layer's zero
+    codes; None for the other quantized layers, whose codes cannot tell a pruned weight from a small one rounded
+    to the zero point (int4's zero point, int8's code 0: ~11% and ~1% of a dense model's weights)  # bool [N, K]"""
+    if hasattr(module, "codes"):  # compact 2:4 storage
+        return module.codes() == 0
+    return None if hasattr(module, "BITS") else module.weight == 0
+
+
+def _zeros(module) -> tuple[float, int, dict[int, int]]:
+    """(pruned weights, weights, {M: fewest pruned in any row's group of M consecutive inputs}) of a projection:
+    a quantized one's from its pruning record (none: dense), the others' from their zeros."""
+    numel = module.in_features * module.out_features
+    record = getattr(module, "pruning", None)
+    mask = None if record else zero_mask(module)
+    if mask is None:
+        sparsity, nm = (record or {}).get("sparsity", 0.0), parse_pattern((record or {}).get("pattern"))
+        fewest = {M: (nm[1] - nm[0]) * M // nm[1] if nm and M % nm[1] == 0 else 0 for M in (4, 8)}
+        return sparsity * numel, numel, {M: f for M, f in fewest.items() if module.in_features % M == 0}
+    fewest = {M: int(mask.reshape(mask.shape[0], -1, M).sum(-1).min()) for M in (4, 8) if mask.shape[1] % M == 0}
+    return float(mask.sum()), numel, fewest
+
+
 def module_sparsity(module) -> float:
-    """Fraction of a projection's weights that are pruned, float or quantized: int8 codes of 0, an int4 code
-    equal to its group's zero point (which the W4A16 kernel dequantizes to within bf16 rounding of 0)."""
-    return zero_mask(module).float().mean().item()
-
-
-def zero_mask(module) -> torch.Tensor:
-    """Where a projection's weights are pruned, float or quantized (see module_sparsity)  # bool [N, K]"""
-    from leanlm.compress.quant.linear import W4A16Linear, unpack_int4
-
-    if isinstance(module, W4A16Linear):
-        g = module.group_size
-        zero_code = (8 - module.zeros.float() / module.scales.float()).round().t().repeat_interleave(g, 1)  # [N, K]
-        return unpack_int4(module.weight_packed).float() == zero_code
-    return (module.codes() if hasattr(module, "codes") else module.weight) == 0  # codes(): compact 2:4 storage
+    """Fraction of a projection's weights that pruning set to 0: a float or compact 2:4 layer's zeros, a quantized
+    layer's pruning record (note_pruning; 0 without one)."""
+    zeros, numel, _ = _zeros(module)
+    return zeros / numel
 
 
 def decoder_sparsity(model) -> tuple[float, str | None]:
-    """(fraction of the decoder projections' weights that are zero, the N:M pattern every one of them follows or
-    None): of M = 4 and 8, the pattern whose least-pruned group of M prunes the largest share (2:4 before 4:8)."""
-    masks = [zero_mask(m) for name, m in model.named_modules()
-             if name.startswith("layers.") and hasattr(m, "in_features")]
-    if not masks:
+    """(fraction of the decoder projections' weights that pruning set to 0, the N:M pattern every one of them
+    follows or None): of M = 4 and 8, the pattern whose least-pruned group of M prunes the largest share (2:4
+    before 4:8)."""
+    stats = [_zeros(m) for name, m in model.named_modules() if name.startswith("layers.") and hasattr(m, "in_features")]
+    if not stats:
         return 0.0, None
-    zeros = sum(int(mask.sum()) for mask in masks) / sum(mask.numel() for mask in masks)
+    zeros = sum(z for z, _, _ in stats) / sum(n for _, n, _ in stats)
     best, pattern = 0.0, None
-    for m in (4, 8):
-        if any(mask.shape[1] % m for mask in masks):
-            continue
-        least = min(int(mask.reshape(mask.shape[0], -1, m).sum(-1).min()) for mask in masks)  # zeros in a group
-        if least / m > best:
-            best, pattern = least / m, f"{m - least}:{m}"
+    for M in (4, 8):
+        if all(M in fewest for _, _, fewest in stats):
+            least = min(fewest[M] for _, _, fewest in stats)
+            if least / M > best:
+                best, pattern = least / M, f"{M - least}:{M}"
     return zeros, pattern

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanlm.compress.sparse.masks import (check_pattern_fits, check_sparsity, global_masks, layer_mask, nm_mask,
-                                          owl_sparsities, parse_pattern, pattern_sparsity, row_mask)
+from leanlm.compress.sparse.masks import (check_pattern_fits, check_sparsity, decoder_sparsity, global_masks,
+                                          layer_mask, module_sparsity, nm_mask, note_pruning, owl_sparsities,
+                                          parse_pattern, pattern_sparsity, row_mask)
 from leanlm.errors import LeanLMError
 
 
@@ -88,12 +89,37 @@ def test_decoder_sparsity_and_the_pattern_every_projection_follows(tiny, options
     import copy
 
     from leanlm.compress.registry import apply, make_config
-    from leanlm.compress.sparse.masks import decoder_sparsity
 
     model = copy.deepcopy(tiny[0])
-    apply(model, make_config("magnitude", options))
+    records = apply(model, make_config("magnitude", options))
     assert decoder_sparsity(model) == pytest.approx(expected)
-    if expected[1] == "2:4":  # quantized, the zeros are the codes at a group's zero point
+    if expected[1] == "2:4":  # quantized, what the pruning did is its record (int4 codes cannot say)
         apply(model, make_config("rtn", {"bits": 4, "group_size": 32}))
-        zeros, pattern = decoder_sparsity(model)
-        assert pattern == "2:4" and zeros >= 0.5
+        note_pruning(model, records)
+        assert decoder_sparsity(model) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_dense_quantized_model_shows_no_sparsity(tiny, tmp_path, bits):
+    """Dense RTN codes at the zero point (int4: ~11% of them) or at 0 (int8) are not pruned weights: no sparsity,
+    no table in `leanlm info`, "-" in `leanlm compare`; the same model pruned 2:4 first shows its pruning, in
+    memory and loaded from disk."""
+    import copy
+
+    from leanlm.analysis.report import sparsity_table
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.registry import apply, make_config
+    from leanlm.models.loading import load_model
+    from tests.conftest import make_hf_model
+
+    rtn = make_config("rtn", {"bits": bits, "group_size": 32} if bits == 4 else {"bits": 8})
+    dense = copy.deepcopy(tiny[0])
+    apply(dense, rtn)
+    assert decoder_sparsity(dense) == (0.0, None) and sparsity_table(dense) is None
+    assert all(module_sparsity(m) == 0 for _, m in dense.named_modules() if hasattr(m, "BITS"))
+    pruned = copy.deepcopy(tiny[0])
+    records = apply(pruned, make_config("magnitude", {"pattern": "2:4"}))
+    records = {name: {**records.get(name, {}), **q} for name, q in apply(pruned, rtn).items()}
+    make_hf_model("llama", tmp_path / "src", max_position_embeddings=512)
+    qformat.save(pruned, records, [rtn], tmp_path / "src", tmp_path)
+    assert decoder_sparsity(load_model(tmp_path, torch.float32)) == pytest.approx((0.5, "2:4"))

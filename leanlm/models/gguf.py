@@ -112,7 +112,7 @@ def hf_config(reader, path: Path) -> dict:
         # The embedding's rows, not the tokenizer's length: the two can differ (padded vocabularies).
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "torch_dtype": "float16",
+        "torch_dtype": "bfloat16" if _bf16(tensors["token_embd.weight"]) else "float16",
     }
     if arch == "llama":
         config.update(attention_bias=has_bias, mlp_bias=False)
@@ -131,6 +131,25 @@ def hf_name(gguf_name: str, num_layers: int, path: Path) -> str:
     if m and m.group(2) in _LAYER_NAMES and int(m.group(1)) < num_layers:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     raise LeanLMError(f"{Path(path).name}: tensor {gguf_name!r} has no place in a plain llama/qwen2 model")
+
+
+def gguf_name(hf: str) -> str:
+    """The GGUF tensor name for an HF parameter name (the inverse of hf_name)."""
+    for g, h in _GLOBAL_NAMES.items():
+        if hf == h:
+            return g
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+    for g, h in _LAYER_NAMES.items():
+        if m and m.group(2) == h:
+            return f"blk.{m.group(1)}.{g}"
+    raise LeanLMError(f"parameter {hf!r} has no GGUF name in a plain llama/qwen2 model")
+
+
+def permute_rotary(w, n_heads: int):
+    """llama.cpp's Q/K row order from HF's: each head's two rotary halves interleaved (the inverse of
+    unpermute_rotary; numpy arrays or torch tensors, rows first)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -179,14 +198,30 @@ def _progress(enabled: bool):
     return Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=False)
 
 
+def _bf16(t) -> bool:
+    from gguf import GGMLQuantizationType
+
+    return t.tensor_type == GGMLQuantizationType.BF16
+
+
+def _as_stored(w: np.ndarray, bf16: bool) -> bytes:
+    """float32 values as float16 bytes, or bfloat16 ones for a BF16 tensor (float16 would not hold all of them)."""
+    if not bf16:
+        return np.ascontiguousarray(w, dtype="<f2").tobytes()
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).bfloat16().view(torch.int16).numpy().tobytes()
+
+
 def write_weights(reader, config: dict, out_file: Path, path: Path, progress: bool = True) -> None:
-    """Dequantize every tensor to float16 and stream it into one safetensors file."""
+    """Dequantize every tensor to float16 (a BF16 one to bfloat16) and stream it into one safetensors file."""
     plan = _tensor_plan(reader, config, path)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for _, name, shape in plan:
+    for t, name, shape in plan:
         nbytes = math.prod(shape) * 2
-        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": "BF16" if _bf16(t) else "F16", "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # tensor data starts 8-byte aligned
@@ -200,7 +235,7 @@ def write_weights(reader, config: dict, out_file: Path, path: Path, progress: bo
             kind = t.name.split(".")[-2]
             if config["model_type"] == "llama" and kind in heads:
                 w = unpermute_rotary(w, heads[kind])
-            f.write(np.ascontiguousarray(w, dtype="<f2").tobytes())
+            f.write(_as_stored(w, _bf16(t)))
             bar.advance(task)
 
 

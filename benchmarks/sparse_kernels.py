@@ -1,0 +1,132 @@
+"""2:4-sparse int8 weights in their compact form (int8_24_gemv, 0.625 bytes a weight) against the dense int8 kernel
+(int8_gemv, 1 byte) on the same codes: the default model's projections and larger matrices, M = 1, 2, 4, 8 rows.
+
+    python benchmarks/sparse_kernels.py [--threads 2] [--rounds 5]
+    python benchmarks/sparse_kernels.py --e2e DIR [--lm-head 8]  # DIR: `leanlm prune MODEL --method sparsegpt
+                                                                 #   --pattern 2:4 --bits 8 -o DIR`
+
+Weights rotate through ~256 MB of copies so every call reads them from memory, as decode does. The two kernels
+alternate within each round; a cell is the median over rounds. The most the smaller format can give is 1.6x.
+--e2e: batch-1 greedy decode (compiled step) of that model as saved (W8A16Sparse24Linear) against the same codes
+in W8A16Linear, alternating in one process: tokens/s per round and the median ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from leanlm import kernels
+from leanlm.compress.sparse.format import pack_24
+from leanlm.compress.sparse.masks import nm_mask
+
+SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
+          "2048x8192": (2048, 8192), "8192x2048": (8192, 2048)}  # [N, K]; the first four: SmolLM2-135M
+
+
+def seconds(fn, calls: list[tuple], reps: int) -> float:
+    for args in calls[:2]:
+        fn(*args)
+    start = time.perf_counter()
+    for i in range(reps):
+        fn(*calls[i % len(calls)])
+    return (time.perf_counter() - start) / reps
+
+
+def e2e(path: str, rounds: int, lm_head: int, new_tokens: int = 64) -> None:
+    """Decode tokens/s of the compact model and its dense-int8 twin, measured in alternation."""
+    import copy
+
+    from leanlm.compress.quant.linear import W8A16Linear, W8A16Sparse24Linear
+    from leanlm.compress.registry import apply, make_config, replace
+    from leanlm.generation.compiled import CompiledDecoder
+    from leanlm.generation.decode import prefill
+    from leanlm.models.loading import load_model
+
+    compact = load_model(path, torch.bfloat16)
+    if lm_head in (4, 8):
+        apply(compact, make_config("lm_head", {"bits": lm_head, "group_size": 64}))
+    dense = copy.deepcopy(compact)
+    for name, m in list(dense.named_modules()):
+        if isinstance(m, W8A16Sparse24Linear):
+            w8 = W8A16Linear(m.in_features, m.out_features, m.bias)
+            w8.weight, w8.scales = m.codes(), m.scales.clone()
+            replace(dense, name, w8)
+    models = {"dense int8": dense, "2:4 compact": compact}
+    decoders = {k: CompiledDecoder(m) for k, m in models.items()}
+    prompt = torch.randint(0, compact.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).tolist()
+    rates: dict[str, list[float]] = {k: [] for k in models}
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # round 0 compiles and warms up
+            for key, model in models.items():
+                logits, cache = prefill(model, prompt, new_tokens)
+                tokens, steps = logits.argmax(-1), []
+                for _ in range(new_tokens - 1):
+                    start = time.perf_counter()
+                    tokens = decoders[key].decode_step(cache, tokens).argmax(-1)
+                    steps.append(time.perf_counter() - start)
+                if r:
+                    rates[key].append(1 / statistics.median(steps))
+    table = Table(title=f"batch-1 decode of {path} (compiled step, lm_head {lm_head}-bit, {torch.get_num_threads()} "
+                        f"threads): tokens/s per round")
+    for col in ("model", *[f"round {i + 1}" for i in range(rounds)], "median"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for key, rs in rates.items():
+        table.add_row(key, *[f"{x:.1f}" for x in rs], f"{statistics.median(rs):.1f}")
+    ratios = [c / d for c, d in zip(rates["2:4 compact"], rates["dense int8"])]
+    table.add_row("compact / dense", *[f"{x:.2f}x" for x in ratios], f"{statistics.median(ratios):.2f}x")
+    Console(width=150).print(table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", default="1,2,4,8", help="values of M, comma-separated")
+    ap.add_argument("--e2e", metavar="DIR", help="a 2:4 + int8 model saved by leanlm prune: decode speed instead")
+    ap.add_argument("--lm-head", type=int, default=8, help="--e2e: lm_head bits, 8 or 4 (16: left as saved)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.e2e:
+        return e2e(args.e2e, args.rounds, args.lm_head)
+    ops = kernels.ops()
+    table = Table(title=f"2:4 int8 vs dense int8, {args.threads} threads, loops {ops.sparse_isa()} / {ops.isa()}: "
+                        "microseconds (GB/s of weight bytes read), median of {args.rounds} interleaved rounds"
+                        .replace("{args.rounds}", str(args.rounds)))
+    for col in ("matrix", "M", "dense int8", "2:4 compact", "speedup"):
+        table.add_column(col, justify="left" if col == "matrix" else "right")
+    g = torch.Generator().manual_seed(0)
+    for name, (N, K) in SHAPES.items():
+        copies = max(2, int(256e6 // (N * K)))
+        dense = []
+        for _ in range(copies):
+            q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+            dense.append(q.masked_fill(nm_mask(torch.rand(N, K, generator=g), 2, 4), 0))
+        packed = [pack_24(q) for q in dense]
+        scale = torch.rand(N, generator=g).bfloat16()
+        reps = max(20, min(400, int(2e9 // (N * K))))
+        for M in [int(m) for m in args.rows.split(",")]:
+            x = torch.randn(M, K, generator=g).bfloat16()
+            runs = {"dense": (ops.int8_gemv, [(x, q, scale) for q in dense], N * K),
+                    "2:4": (ops.int8_24_gemv, [(x, v, m, scale) for v, m in packed], N * K // 2 + N * ((K + 7) // 8))}
+            times: dict[str, list[float]] = {k: [] for k in runs}
+            for _ in range(args.rounds):
+                for key, (fn, calls, _) in runs.items():
+                    times[key].append(seconds(fn, calls, reps))
+            cells = []
+            for key, (_, _, nbytes) in runs.items():
+                t = statistics.median(times[key])
+                cells.append(f"{t * 1e6:.1f} ({(nbytes + 2 * N) / t / 1e9:.1f})")
+            ratio = statistics.median(times["dense"]) / statistics.median(times["2:4"])
+            table.add_row(f"{name} {N}x{K}", str(M), *cells, f"{ratio:.2f}x")
+        del dense, packed
+    Console(width=150).print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -71,18 +71,18 @@ def _calibration(configs: list, tok, data, samples: int, seq_len: int, context: 
 
 
 def _apply_steps(net, configs: list, calibration, records: dict[str, dict], total=lambda config: None) -> dict:
-    """Apply each step in order (a progress bar on stderr, `total(config)` ticks each), merging each layer's
-    records into `records` (a layer pruned, then quantized, keeps both)."""
+    """Apply each step in order (a progress bar on stderr, `total(config)` ticks each); return `records` with each
+    step's merged in (registry.merge_records: a layer pruned, then quantized, keeps both; after layers are removed,
+    every record names the saved model's layers)."""
     from rich.progress import Progress
 
-    from leanlm.compress.registry import apply
+    from leanlm.compress.registry import apply, merge_records
     from leanlm.compress.sparse.masks import note_pruning
 
     with Progress(console=err, transient=True) as bar:
         for config in configs:
             task = bar.add_task(config.name, total=total(config))
             step = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
-            for name, record in step.items():
-                records[name] = {**records.get(name, {}), **record}
+            records = merge_records(records, step)
     note_pruning(net, records)  # a quantized layer's codes cannot say what pruning did before
     return records

@@ -71,6 +71,7 @@ def distill(
     from leanlm.compress.distill.trainer import DistillConfig, Trainer, plot_history
     from leanlm.compress.quant import format as qformat
     from leanlm.compress.sparse.save import read_record, save_float
+    from leanlm.compress.registry import renumber_layers
     from leanlm.compress.sparse.structured import drop_layers
     from leanlm.eval.datasets import load_text
     from leanlm.models.zoo import resolve
@@ -90,8 +91,12 @@ def distill(
     teacher_net, tok = load(teacher, "bfloat16", "cpu")
     source = resolve(student or student_from)
     student_net, _ = load(source, "float32", "cpu")
+    pruning = read_record(source)  # a pruned student's record
     if keep is not None:
-        drop_layers(student_net, keep_layers(keep, student_net.config.num_layers))
+        kept = keep_layers(keep, student_net.config.num_layers)
+        drop_layers(student_net, kept)
+        if pruning:  # its records follow their layers to the student's numbers, as `leanlm prune --method layers`'s
+            pruning["layers"] = renumber_layers(pruning.get("layers", {}), kept)
     if qat_config is not None:
         prepare(student_net, qat_config)
     train_ids = torch.tensor(tok.encode(load_text(data, split="calibration")))
@@ -103,7 +108,7 @@ def distill(
     final = history.evals[-1]
     # a pruned student's pruning.json goes along (its sparsity stays true); the run itself goes to distill.json
     if qat_config is None:
-        save_float(student_net.to(torch.bfloat16).eval(), source, output, read_record(source) or None)
+        save_float(student_net.to(torch.bfloat16).eval(), source, output, pruning or None)
     else:
         qformat.save(student_net.eval(), export(student_net, qat_config), [qat_config], source, output)
     run = {"teacher": str(teacher), "student": str(student or student_from), "keep_layers": keep,

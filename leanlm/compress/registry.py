@@ -75,6 +75,34 @@ def recipe_steps(configs: list) -> list[dict]:
     return [c if isinstance(c, dict) else {"method": c.name, **asdict(c)} for c in configs]
 
 
+def renumber_layers(records: dict[str, dict], kept: list[int]) -> dict[str, dict]:
+    """Records named by decoder layer ("layers.I", "layers.I.mlp", ...) once only the layers `kept` (ascending)
+    stay, renumbered 0..: each follows its layer to its new number, a layer's own record noting the number it had
+    (original_layer, unless it has one from an earlier removal); those of removed layers are dropped."""
+    new = {old: j for j, old in enumerate(kept)}
+    out = {}
+    for name, record in records.items():
+        parts = name.split(".", 2)
+        if parts[0] != "layers" or len(parts) < 2:
+            out[name] = record
+        elif int(parts[1]) in new:
+            i = int(parts[1])
+            out[".".join(["layers", str(new[i]), *parts[2:]])] = record if len(parts) > 2 else {"original_layer": i, **record}
+    return out
+
+
+def merge_records(records: dict[str, dict], step: dict[str, dict]) -> dict[str, dict]:
+    """The records of earlier steps with one more step's merged in, layer by layer (a layer pruned, then quantized,
+    keeps both). After a step that removed decoder layers (its "model" record lists kept_layers), the earlier
+    records follow their layers to the saved model's numbers first (renumber_layers)."""
+    kept = step.get("model", {}).get("kept_layers")
+    merged = dict(records) if kept is None else renumber_layers(records, kept)
+    for name, record in step.items():
+        old = merged.get(name, {})
+        merged[name] = {**old, **record, **{k: old[k] for k in ("original_layer",) if k in old}}  # the first number
+    return merged
+
+
 def apply(model: nn.Module, config, progress=None, samples=None) -> dict[str, dict]:
     """Run the method of `config` on the model in place; return what each layer became."""
     if getattr(config, "needs_data", False) and samples is None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, calibrate
-from leanlm.compress.registry import register
+from leanlm.compress.registry import register, renumber_layers
 from leanlm.compress.sparse.slicing import (block_influence, kv_group_scores, merge_redundant, neuron_contribution,
                                             param_count, select_top, slice_attention, slice_mlp)
 from leanlm.compress.stats import ChannelNorm, Hessian
@@ -288,7 +288,9 @@ def calibration_loss(model: nn.Module, samples: torch.Tensor, skip: set[int] = f
 
 @register(Layers)
 def prune_layers(model, config: Layers, progress=None, samples=None) -> dict[str, dict]:
-    """Remove the same-shaped decoder layers that matter least on the calibration data (see Layers)."""
+    """Remove the same-shaped decoder layers that matter least on the calibration data (see Layers). The records
+    name the smaller model's layers (each noting its number before, original_layer); the removed layers' are in
+    the model's record (removed), and registry.merge_records renumbers earlier steps' records the same way."""
     cfg = model.config
     L = cfg.num_layers
     if config.num_layers is not None:
@@ -302,7 +304,7 @@ def prune_layers(model, config: Layers, progress=None, samples=None) -> dict[str
         bi = layer_influence(model, samples)
         dropped = select_top(-bi, L - keep).tolist()  # the lowest influence
         for i in range(L):
-            records[f"layers.{i}"] = {"block_influence": float(bi[i]), "removed": i in dropped}
+            records[f"layers.{i}"] = {"block_influence": float(bi[i])}
             if progress is not None:
                 progress(f"layers.{i}")
     else:
@@ -311,13 +313,14 @@ def prune_layers(model, config: Layers, progress=None, samples=None) -> dict[str
             losses = {i: calibration_loss(model, samples, set(dropped) | {i}) for i in range(L) if i not in dropped}
             i = min(losses, key=losses.get)
             dropped.append(i)
-            records[f"layers.{i}"] = {"removed": True, "step": step, "loss_after": losses[i]}
+            records[f"layers.{i}"] = {"step": step, "loss_after": losses[i]}
             if progress is not None:
                 progress(f"layers.{i}")
         dropped.sort()
-    sizes = {i: _numel(model.layers[i]) for i in dropped}
-    for i in dropped:
-        records[f"layers.{i}"] |= {"params_before": sizes[i], "params_after": 0}
-    drop_layers(model, [i for i in range(L) if i not in dropped])
-    return {"model": _summary(cfg, model.config, num_hidden_layers=keep, removed_layers=dropped,
-                              criterion=config.criterion), **records}
+    # the removed layers' records go into the model's (by their number here); the kept ones' get their new numbers
+    removed = [{"original_layer": i, **records.pop(f"layers.{i}"), "params_before": _numel(model.layers[i]),
+                "params_after": 0} for i in dropped]
+    kept = [i for i in range(L) if i not in dropped]
+    drop_layers(model, kept)
+    return {"model": _summary(cfg, model.config, num_hidden_layers=keep, removed_layers=dropped, kept_layers=kept,
+                              criterion=config.criterion, removed=removed), **renumber_layers(records, kept)}

@@ -18,15 +18,32 @@ def _text(tmp_path):
     return path
 
 
+def _pruned(tiny_dir, out):
+    """tiny_dir with half of every projection's weights zeroed, and its pruning.json."""
+    from leanlm.compress.registry import apply, make_config
+    from leanlm.compress.sparse.save import save_float
+
+    model = load_model(tiny_dir, torch.float32)
+    config = make_config("magnitude", {"sparsity": 0.5})
+    out.mkdir()
+    save_float(model, tiny_dir, out, {"recipe": [], "layers": apply(model, config)})
+    return out
+
+
 def test_a_student_cut_from_the_teacher_trains_saves_and_resumes(tiny_dir, tmp_path):
+    """The student is cut from a pruned copy of the teacher: its pruning.json goes along, named by the student's
+    layers."""
     out = tmp_path / "student"
-    args = ("distill", "--teacher", tiny_dir, "--student-from", tiny_dir, "--keep-layers", "1", "--data",
+    args = ("distill", "--teacher", tiny_dir, "--student-from", _pruned(tiny_dir, tmp_path / "pruned"),
+            "--keep-layers", "1", "--data",
             _text(tmp_path), "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "128", "--eval-every", "2", "--lr", "1e-3", "-o", out)
     r = leanlm(*args, "--steps", "2")
     assert r.returncode == 0, r.stderr
     assert "perplexity" in r.stdout and "distilling" not in r.stdout  # the bar went to stderr
     model = load_model(out, torch.float32)
     assert model.config.num_layers == 1 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    layers = json.loads((out / "pruning.json").read_text())["layers"]
+    assert layers and all(name.startswith("layers.0.") for name in layers)  # layer 1 is gone, and its records
     run = json.loads((out / "distill.json").read_text())
     assert run["history"]["steps"] == [0, 1] and (out / "curve.png").exists()
     r = leanlm(*args, "--steps", "4", "--resume")  # a larger budget: two more steps from the checkpoint

@@ -132,6 +132,9 @@ def test_a_smaller_model_is_an_hf_directory(tiny_dir, text, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and (out / "tokenizer.json").exists()
     assert load_model(out, torch.float32).config.num_layers == 1
+    layers = json.loads((out / "pruning.json").read_text())["layers"]  # named by the saved model's layers
+    assert [name for name in layers if name != "model"] == ["layers.0"] and layers["layers.0"]["original_layer"] in (0, 1)
+    assert [r["original_layer"] for r in layers["model"]["removed"]] == [1 - layers["layers.0"]["original_layer"]]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -9,7 +9,7 @@ from leanlm.cache.static import StaticCache
 from leanlm.compress.quant import format as qformat
 from leanlm.compress.quant.linear import W4A16Linear
 from leanlm.compress.quant.rtn import RTN, Head
-from leanlm.compress.registry import apply, make_config, method
+from leanlm.compress.registry import apply, decoder_linears, make_config, method
 from leanlm.compress.sparse.save import save_float
 from leanlm.compress.sparse.slicing import kv_group_scores, merge_redundant, param_count, select_top
 from leanlm.compress.sparse.structured import Heads, Layers, Neurons, calibration_loss, drop_layers
@@ -172,10 +172,39 @@ def test_identity_layer_has_no_influence_and_goes_first(sources):
         model.layers[2].mlp.down_proj.weight.zero_()
     before = logits(model)
     records = apply(model, Layers(num_layers=3), samples=samples())
-    assert records["layers.2"]["block_influence"] < 1e-6
-    assert min(records[f"layers.{i}"]["block_influence"] for i in (0, 1, 3)) > 1e-3
-    assert records["model"]["removed_layers"] == [2]
+    (removed,) = records["model"]["removed"]
+    assert removed["original_layer"] == 2 and removed["block_influence"] < 1e-6
+    assert min(records[f"layers.{j}"]["block_influence"] for j in range(3)) > 1e-3  # the saved model's numbers
+    assert [records[f"layers.{j}"]["original_layer"] for j in range(3)] == records["model"]["kept_layers"] == [0, 1, 3]
+    assert records["model"]["removed_layers"] == [2] and "layers.3" not in records
     assert (logits(model) - before).abs().max() < 1e-5
+
+
+def test_records_of_every_step_name_the_saved_models_layers(sources):
+    """heads, then layers (the identity layer 1 goes), then magnitude, then layers again (layer 0 goes): each
+    record names a layer of the saved model, the heads record of original layer 3 has followed it to layer 1, and
+    original_layer is the number in the model before any removal."""
+    from leanlm.compress.registry import merge_records
+
+    def identity(i):
+        with torch.no_grad():
+            model.layers[i].self_attn.o_proj.weight.zero_()
+            model.layers[i].mlp.down_proj.weight.zero_()
+
+    model = load_model(sources["mistral", 4], torch.float32)
+    records = merge_records({}, apply(model, Heads(heads=2), samples=samples()))
+    heads_of_3 = records["layers.3.self_attn"]
+    identity(1)
+    records = merge_records(records, apply(model, Layers(num_layers=3), samples=samples()))
+    assert records["model"]["removed_layers"] == [1] and records["layers.2.self_attn"] == heads_of_3
+    records = merge_records(records, apply(model, make_config("magnitude", {"sparsity": 0.5})))
+    identity(0)
+    records = merge_records(records, apply(model, Layers(num_layers=2), samples=samples()))
+    assert records["model"]["removed_layers"] == [0] and model.config.num_layers == 2
+    assert {int(name.split(".")[1]) for name in records if name.startswith("layers.")} == {0, 1}
+    assert [records[f"layers.{j}"]["original_layer"] for j in (0, 1)] == [2, 3]
+    assert records["layers.1.self_attn"] == heads_of_3
+    assert all(records[name]["sparsity"] == 0.5 for name, _ in decoder_linears(model))
 
 
 def test_loss_criterion_drops_the_layer_whose_removal_costs_least(sources):
@@ -192,8 +221,8 @@ def test_loss_criterion_drops_the_layer_whose_removal_costs_least(sources):
     assert naive == pytest.approx([calibration_loss(model, x, {i}) for i in range(LAYERS)], rel=1e-5)
     records = apply(model, Layers(num_layers=3, criterion="loss"), samples=x)
     best = min(range(LAYERS), key=naive.__getitem__)
-    assert records["model"]["removed_layers"] == [best]
-    assert records[f"layers.{best}"]["loss_after"] == pytest.approx(naive[best], rel=1e-5)
+    assert records["model"]["removed_layers"] == [best] and records["model"]["removed"][0]["original_layer"] == best
+    assert records["model"]["removed"][0]["loss_after"] == pytest.approx(naive[best], rel=1e-5)
 
 
 def test_pruned_model_decodes_with_a_kv_cache(sources):

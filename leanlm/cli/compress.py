@@ -71,16 +71,28 @@ def quantize(
 
 @app.command()
 def export(
-    model: Annotated[Path, typer.Argument(help="a directory written by `leanlm quantize`")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
+    model: Annotated[Path, typer.Argument(help="a directory written by `leanlm quantize` (gguf: also a float model, "
+                                               "a zoo name or an HF directory)")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory (gguf: .gguf file) to write; must not "
+                                                                "exist")] = ...,
+    format: Annotated[str, typer.Option("--format", help="compressed-tensors (vLLM, transformers) or gguf "
+                                                         "(llama.cpp, Ollama)")] = "compressed-tensors",
+    round_offsets: Annotated[bool, typer.Option(help="gguf: write int4 groups whose Q4_1 offset float16 cannot "
+                                                     "hold exactly with that offset rounded (codes and scales stay "
+                                                     "exact); without it such a model is refused")] = False,
 ) -> None:
-    """Write a quantized MODEL in the compressed-tensors layout that vLLM and transformers load (w4a16, w8a16,
-    w8a8 and fp8 layers; the integer codes are kept as they are)."""
+    """Write MODEL for another runtime: a quantized model in the compressed-tensors layout that vLLM and
+    transformers load (w4a16, w8a16, w8a8 and fp8 layers), or any model as one GGUF file for llama.cpp (16-bit
+    weights as they are, w8a16 as Q8_0, w4a16 as Q4_1). The integer codes are kept as they are."""
     from leanlm.compress.quant import format as qformat
     from leanlm.compress.quant.export import export as write
     from leanlm.fetch import atomic_dir
     from leanlm.models.loading import load_model
 
+    if format not in ("compressed-tensors", "gguf"):
+        _fail(f"--format must be compressed-tensors or gguf, got {format!r}")
+    if format == "gguf":
+        return _export_gguf(str(model), output, round_offsets)
     if not qformat.is_quantized(model):
         _fail(f"{model} is not a directory written by `leanlm quantize`")
     if output.exists():
@@ -91,3 +103,24 @@ def export(
         qconfig = write(net, model, tmp)
     groups = ", ".join(f"{len(g['targets'])} {g['format']}" for g in qconfig["config_groups"].values())
     out.print(f"{model} -> {output} (compressed-tensors: {groups} layers)")
+
+
+def _export_gguf(model: str, output: Path, round_offsets: bool) -> None:
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.quant.gguf_export import export_gguf
+    from leanlm.models.loading import load_model
+    from leanlm.models.zoo import resolve
+
+    if output.exists():
+        _fail(f"{output} already exists; choose a new file name")
+    source = resolve(model)
+    if qformat.is_quantized(source):
+        dtype = json.loads((source / qformat.RECORD).read_text())["dtype"]  # the 16-bit parts as they were saved
+    else:  # a float model's own 16-bit dtype; float32 is written as float16, as llama.cpp's converter does
+        config = json.loads((source / "config.json").read_text())
+        dtype = "bfloat16" if config.get("torch_dtype", config.get("dtype")) == "bfloat16" else "float16"
+    written = export_gguf(load_model(source, dtype), source, output, round_offsets)
+    types = ", ".join(f"{n} {t}" for t, n in sorted(written.types.items()))
+    rounded = (f"; {written.rounded_offsets} of {written.offsets} int4 group offsets rounded to float16"
+               if written.rounded_offsets else "")
+    out.print(f"{model} -> {output} (GGUF: {types} tensors{rounded})", soft_wrap=True)

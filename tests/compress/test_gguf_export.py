@@ -135,3 +135,23 @@ def test_tokenizers_without_a_llama_cpp_counterpart_are_refused(tiny_dir, tmp_pa
     assert llama_cpp_pre({"type": "Sequence", "pretokenizers": [qwen2, level]}) == "qwen2"
     digits = {"type": "Digits", "individual_digits": True}
     assert llama_cpp_pre({"type": "Sequence", "pretokenizers": [digits, {"type": "ByteLevel"}]}) == "smollm"
+
+
+def test_cli_export_format_gguf(source, tmp_path):
+    import subprocess
+
+    from leanlm.bench.serve import leanlm_command
+
+    _, path = source
+
+    def leanlm(*args):
+        return subprocess.run(leanlm_command(*map(str, args)), capture_output=True, text=True)
+
+    r = leanlm("export", path, "--format", "gguf", "-o", tmp_path / "m.gguf")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{path} -> {tmp_path / 'm.gguf'} (GGUF: ") and r.stdout.count("\n") == 1
+    assert open_gguf(tmp_path / "m.gguf").tensors
+    r = leanlm("export", path, "--format", "gguf", "-o", tmp_path / "m.gguf")
+    assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    r = leanlm("export", path, "--format", "onnx", "-o", tmp_path / "m.onnx")
+    assert r.returncode == 2 and "compressed-tensors or gguf" in r.stderr

@@ -82,3 +82,15 @@ def formula_weight_bytes(model) -> tuple[float, int]:
         total += p.numel() * p.element_size()
         params += p.numel()
     return total, params
+
+
+def lm_head_kind(model) -> str:
+    """How the output projection is stored, e.g. "int8 (w8a16)", "int4 g128 (w4a16)", "bfloat16, tied": what
+    decode reads for every token's logits (V x d weights), so it matters for speed."""
+    head = model.lm_head
+    scheme = getattr(head, "SCHEME", None)
+    if scheme is None:
+        return str(head.weight.dtype).removeprefix("torch.") + (", tied" if model.lm_head_is_embedding else "")
+    width = "int4" if head.BITS == 4 else "fp8" if scheme == "fp8" else "int8"
+    group = f" g{head.group_size}" if hasattr(head, "group_size") else ""
+    return f"{width}{group} ({scheme})"

@@ -10,8 +10,8 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from leanlm.analysis.memory import (activation_bytes, formula_weight_bytes, kv_cache_bytes, param_count, stored_bytes,
-                                    weight_bytes_read)
+from leanlm.analysis.memory import (activation_bytes, formula_weight_bytes, kv_cache_bytes, lm_head_kind, param_count,
+                                    stored_bytes, weight_bytes_read)
 from leanlm.cache.static import StaticCache
 from leanlm.models.transformer import Transformer
 
@@ -64,6 +64,7 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None,
     arch = Table("architecture", "", show_header=False)
     for k, v in cfg.to_dict().items():
         arch.add_row(k, str(v))
+    arch.add_row("lm_head", lm_head_kind(model))
 
     cache = StaticCache(cfg, batch, length, model.dtype, model.device)
     prefill = min(length, 512)

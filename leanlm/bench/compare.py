@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.analysis.memory import formula_weight_bytes, stored_bytes
+from leanlm.analysis.memory import formula_weight_bytes, lm_head_kind, stored_bytes
 from leanlm.errors import LeanLMError
 
 MB = 2**20
@@ -34,6 +34,7 @@ class Compared:
     tokens: int  # scored tokens of the text
     tokens_per_s: float | None = None  # batch-1 decode, None when speed was not measured
     mbu: float | None = None
+    lm_head: str = ""  # how the output projection is stored (analysis.memory.lm_head_kind)
     sparsity: float = 0.0  # share of the decoder projections' weights that are zero (masks.decoder_sparsity)
     pattern: str | None = None  # the N:M pattern all of them follow, e.g. "2:4"
 
@@ -71,7 +72,7 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
             disk_mb=disk_bytes(resolve(name, progress=False)) / MB, memory_mb=stored_bytes(net) / MB,
             formula_mb=formula / MB,
             perplexity=ppl.perplexity, kl=agree.kl if agree else 0.0, top1=agree.top1 if agree else 1.0,
-            tokens=ppl.tokens, sparsity=sparsity, pattern=pattern))
+            tokens=ppl.tokens, sparsity=sparsity, pattern=pattern, lm_head=lm_head_kind(net)))
     return rows
 
 

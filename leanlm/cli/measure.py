@@ -167,12 +167,13 @@ def compare(
                   caption="sparsity: decoder-projection weights pruned to zero (a quantized layer: as its "
                           "pruning recorded), N:M when all follow it")
     table.add_column("model", overflow="fold")  # a long path wraps; numbers are never cut
+    table.add_column("lm_head", no_wrap=True)
     for col in ("sparsity", "bits/weight", "disk MB", "memory MB", "formula MB", "perplexity", "KL", "top-1", "tok/s",
                 "MBU"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         sparsity = f"{r.sparsity:.0%}" + (f" {r.pattern}" if r.pattern else "") if r.sparsity >= 0.005 else "-"
-        table.add_row(r.model, sparsity, f"{r.bits_per_weight:.2f}", f"{r.disk_mb:.1f}", f"{r.memory_mb:.1f}",
+        table.add_row(r.model, r.lm_head, sparsity, f"{r.bits_per_weight:.2f}", f"{r.disk_mb:.1f}", f"{r.memory_mb:.1f}",
                       f"{r.formula_mb:.1f}",
                       f"{r.perplexity:.3f}", f"{r.kl:.4f}", f"{r.top1:.1%}",
                       "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",

@@ -85,3 +85,20 @@ def test_compare_shows_each_models_sparsity(variants, tmp_path):
     assert (base.sparsity, base.pattern) == (0.0, None) and (row.sparsity, row.pattern) == (0.5, "2:4")
     r = leanlm("compare", dirs[0], pruned, "--data", text, "--max-tokens", "200", "--no-speed")
     assert r.returncode == 0 and "sparsity" in r.stdout and "50% 2:4" in r.stdout, r.stdout
+
+
+def test_compare_and_info_name_the_lm_head(variants, tmp_path):
+    from leanlm.compress.registry import make_config
+
+    dirs, text = variants
+    model = load_model(dirs[0], torch.bfloat16)
+    configs, records = [RTN(4, 32), make_config("lm_head", {"bits": 8})], {}
+    for config in configs:
+        records |= apply(model, config)
+    head8 = tmp_path / "head8"
+    head8.mkdir()
+    qformat.save(model, records, configs, dirs[0], head8)
+    rows = quality(dirs[0], [dirs[2], str(head8)], "bfloat16", "cpu", max_tokens=200, data=text)
+    assert [row.lm_head for row in rows] == ["bfloat16, tied", "bfloat16, tied", "int8 (w8a16)"]
+    r = leanlm("info", head8)
+    assert r.returncode == 0 and "lm_head" in r.stdout and "int8 (w8a16)" in r.stdout, r.stdout

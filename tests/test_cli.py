@@ -140,3 +140,18 @@ def test_draft_with_another_tokenizer_is_refused(tiny_dir, tmp_path_factory):
     tok.save(str(other / "tokenizer.json"))
     r = leanlm("generate", tiny_dir, "hello", "--draft", other, "--threads", "1")
     assert r.returncode == 2 and "tokenizer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_demo_status_lines_go_to_stderr(tiny_dir, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from leanlm.bench import latency
+    from leanlm.cli import app
+
+    result = SimpleNamespace(dtype="float32", device="cpu", threads=1, ttft_ms=1.0, tpot_ms=1.0, tokens_per_s=1.0,
+                             mbu=0.1, peak_bandwidth_gbs=1.0, mfu=0.1, peak_gflops=1.0, peak_memory_mb=1.0)
+    monkeypatch.setattr(latency, "bench", lambda *args, **kwargs: result)  # no compilation in a unit test
+    app(["demo", str(tiny_dir), "--compile", "--threads", "1", "--dtype", "float32"], standalone_mode=False)
+    captured = capsys.readouterr()
+    assert "compiling the decode step" in captured.err and "compiling" not in captured.out
+    assert "leanlm summary" in captured.out

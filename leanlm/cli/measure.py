@@ -223,7 +223,7 @@ def demo(model: Annotated[str, typer.Argument(help="zoo name, directory or .gguf
     out.print(f"perplexity {ppl.perplexity:.3f} over {ppl.tokens} tokens")
     out.rule("benchmark (batch 1, 128-token prompt, 64 new tokens)")
     if compile:
-        out.print("[dim]compiling the decode step (30-100 s the first time, cached after)…[/]")
+        err.print("[dim]compiling the decode step (30-100 s the first time, cached after)…[/]")
     r = run_bench(net, model, 128, 64, 1, compiled=compile)
     table = Table(title=f"leanlm summary: {model}")
     table.add_column("measure")

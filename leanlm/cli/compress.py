@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import (DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs, app,
-                               out)
+from leanlm.cli.common import (Compact, DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs,
+                               app, out)
 
 
 @app.command()
@@ -37,6 +37,7 @@ def quantize(
                                                       "calibration split)")] = None,
     samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
+    compact: Compact = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
     dtype: DType = "auto",
 ) -> None:
@@ -62,11 +63,13 @@ def quantize(
     calibration = _calibration(configs, tok, data, samples, seq_len, net.config.max_position)
     pruned = read_record(source)  # a pruned source: its layers' sparsity and its steps go into quantization.json
     records = _apply_steps(net, configs, calibration, dict(pruned.get("layers", {})),
-                           total=lambda c: 1 if c.name == "lm_head" else 4 * len(net.layers))
+                           total=lambda c: 1 if c.name == "lm_head" else 4 * len(net.layers), compact=compact)
     with atomic_dir(output) as tmp:
         qformat.save(net, records, [*pruned.get("recipe", []), *configs], source, tmp)
     quantized = sum("scheme" in r for r in records.values())
-    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}, {quantized} layers quantized)")
+    compacted = sum(r.get("scheme") == "w8a16_2:4" for r in records.values())
+    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}, {quantized} layers quantized"
+              + (f", {compacted} of them stored 2:4-compact" if compacted else "") + ")")
 
 
 @app.command()

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import (DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs, app,
-                               out)
+from leanlm.cli.common import (Compact, DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs,
+                               app, out)
 
 
 @app.command()
@@ -40,9 +40,7 @@ def prune(
                                                       "calibration split)")] = None,
     samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
-    compact: Annotated[bool, typer.Option(help="store int8 layers pruned 2:4 compactly (kept values + position "
-                                               "masks, 0.625 B a weight): 37% less memory, but its kernel "
-                                               "decodes slower than dense int8 on Zen 4")] = False,
+    compact: Compact = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
     dtype: DType = "auto",
 ) -> None:
@@ -68,12 +66,9 @@ def prune(
     net, tok = load(source, dtype, "cpu")
     calibration = _calibration(configs, tok, data, samples, seq_len, net.config.max_position)
     before = read_record(source)  # a source pruned before: its record goes on with this run's
-    records = _apply_steps(net, configs, calibration, dict(before.get("layers", {})))
+    # --compact: int8 layers pruned 2:4 (sparsegpt --bits 8, or a recipe's later rtn/gptq 8) stored compactly
+    records = _apply_steps(net, configs, calibration, dict(before.get("layers", {})), compact=compact)
     steps = [*before.get("recipe", []), *configs]
-    if compact:
-        from leanlm.compress.sparse.format import compact_24
-
-        compact_24(net, records)  # int8 layers pruned 2:4 (sparsegpt --bits 8, or a recipe's later rtn/gptq 8)
     quantized = any(hasattr(m, "BITS") for m in net.modules())
     with atomic_dir(output) as tmp:
         if quantized:

@@ -125,6 +125,28 @@ def test_sparsegpt_2_4_int8_is_stored_compactly(tiny_dir, text, tmp_path):
     assert r.returncode == 0 and "50.0%" in r.stdout, r.stderr
 
 
+def test_prune_then_quantize_w8_stores_2_4_as_the_recipe_does(tiny_dir, text, tmp_path):
+    """--compact means the same in both verbs: sparsegpt 2:4 then `quantize --bits 8 --compact` writes the one-run
+    recipe's compact model and record; without --compact both write dense W8."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('- {method: sparsegpt, sparsity: 0.5, pattern: "2:4"}\n- {method: rtn, bits: 8}\n')
+    assert _prune(tiny_dir, text, tmp_path / "one", "--recipe", recipe, "--compact").returncode == 0
+    r = _prune(tiny_dir, text, tmp_path / "pruned", "--method", "sparsegpt", "--sparsity", "0.5", "--pattern", "2:4")
+    assert r.returncode == 0, r.stderr
+    quantize = ("quantize", tmp_path / "pruned", "--method", "rtn", "--bits", "8")
+    r = leanlm(*quantize, "--compact", "-o", tmp_path / "two")
+    assert r.returncode == 0 and "8 of them stored 2:4-compact" in r.stdout, r.stderr
+    one, two = (json.loads((tmp_path / d / qformat.RECORD).read_text()) for d in ("one", "two"))
+    assert two["recipe"] == one["recipe"] and two["layers"] == one["layers"]
+    assert {r["scheme"] for r in two["layers"].values()} == {"w8a16_2:4"}
+    a, b = load_model(tmp_path / "one", torch.bfloat16), load_model(tmp_path / "two", torch.bfloat16)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert isinstance(b.layers[0].mlp.down_proj, W8A16Sparse24Linear)
+    r = leanlm(*quantize, "-o", tmp_path / "dense")
+    assert r.returncode == 0 and "compact" not in r.stdout, r.stderr
+    assert type(load_model(tmp_path / "dense", torch.bfloat16).layers[0].mlp.down_proj) is W8A16Linear
+
+
 def test_a_smaller_model_is_an_hf_directory(tiny_dir, text, tmp_path):
     out = tmp_path / "short"
     r = _prune(tiny_dir, text, out, "--method", "layers", "--num-layers", "1")

@@ -71,7 +71,8 @@ def distill(
     from leanlm.compress.distill.trainer import DistillConfig, Trainer, plot_history
     from leanlm.compress.quant import format as qformat
     from leanlm.compress.sparse.save import read_record, save_float
-    from leanlm.compress.registry import renumber_layers
+    from leanlm.compress.registry import merge_records, renumber_layers
+    from leanlm.compress.sparse.masks import note_pruning
     from leanlm.compress.sparse.structured import drop_layers
     from leanlm.eval.datasets import load_text
     from leanlm.models.zoo import resolve
@@ -110,7 +111,10 @@ def distill(
     if qat_config is None:
         save_float(student_net.to(torch.bfloat16).eval(), source, output, pruning or None)
     else:
-        qformat.save(student_net.eval(), export(student_net, qat_config), [qat_config], source, output)
+        # a pruned student's layers keep their pruning records, merged with their quantization, as quantize does
+        records = merge_records(pruning.get("layers", {}), export(student_net, qat_config))
+        note_pruning(student_net, records)
+        qformat.save(student_net.eval(), records, [*pruning.get("recipe", []), qat_config], source, output)
     run = {"teacher": str(teacher), "student": str(student or student_from), "keep_layers": keep,
            "config": asdict(config), "history": asdict(history)}
     (output / "distill.json").write_text(json.dumps(run, indent=1))

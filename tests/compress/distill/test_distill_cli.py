@@ -51,16 +51,24 @@ def test_a_student_cut_from_the_teacher_trains_saves_and_resumes(tiny_dir, tmp_p
     assert json.loads((out / "distill.json").read_text())["history"]["steps"] == [0, 1, 2, 3]
 
 
-def test_qat_saves_a_quantized_model(tiny_dir, tmp_path):
-    from leanlm.compress.quant import format as qformat
+def test_qat_saves_a_quantized_model_that_keeps_its_pruning(tiny_dir, tmp_path):
+    import json
 
-    out = tmp_path / "qat"
-    r = leanlm("distill", "--teacher", tiny_dir, "--student", tiny_dir, "--qat", "w4g32", "--data", _text(tmp_path),
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.sparse.masks import decoder_sparsity
+
+    pruned, out = _pruned(tiny_dir, tmp_path / "pruned"), tmp_path / "qat"
+    r = leanlm("distill", "--teacher", tiny_dir, "--student", pruned, "--qat", "w4g32", "--data", _text(tmp_path),
                "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "128", "--steps", "2", "-o", out)
     assert r.returncode == 0, r.stderr
     assert qformat.is_quantized(out)
+    record = json.loads((out / qformat.RECORD).read_text())
+    assert [step["method"] for step in record["recipe"]] == ["qat"]  # _pruned saved an empty recipe
+    assert all(rec["scheme"] == "w4a16" and rec["sparsity"] == 0.5 for name, rec in record["layers"].items()
+               if name.startswith("layers."))
     model = load_model(out, torch.bfloat16)
     assert {type(m).__name__ for m in model.modules()} >= {"W4A16Linear"}
+    assert abs(decoder_sparsity(model)[0] - 0.5) < 0.01
 
 
 def test_bad_input_is_one_clear_line(tiny_dir, tmp_path):

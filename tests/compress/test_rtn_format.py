@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -56,6 +58,8 @@ def test_cli_quantize_then_generate(tiny_dir, tmp_path):
     r = leanlm("quantize", tiny_dir, "--bits", "4", "--group-size", "32", "-o", out)
     assert r.returncode == 0, r.stderr
     assert (out / "quantization.json").exists() and (out / "tokenizer.json").exists()
+    layers = json.loads((out / "quantization.json").read_text())["layers"]
+    assert layers["lm_head"]["scheme"] == "w8a16"  # 4-bit weights get an int8 head unless told --lm-head 16
     r = leanlm("generate", out, "hello", "--max-tokens", "4", "--threads", "1")
     assert r.returncode == 0, r.stderr
     for args, message in [(["--method", "nope"], "unknown method"), (["--method", "gptq", "--bits", "8"], "--bits 4"),
@@ -143,3 +147,13 @@ def test_other_format_version_raises(tmp_path):
     (out / qformat.RECORD).write_text(json.dumps(record | {"version": qformat.VERSION + 1}))
     with pytest.raises(LeanLMError, match="quantize the model again"):
         load_model(out, torch.bfloat16)
+
+
+def test_4_bit_methods_default_to_an_int8_lm_head():
+    from leanlm.cli.compress import _default_lm_head
+    from leanlm.compress.quant.gptq import GPTQ
+    from leanlm.compress.registry import make_config
+
+    assert _default_lm_head([RTN(4, 32)]) == _default_lm_head([GPTQ()]) == 8
+    assert _default_lm_head([RTN(8)]) == _default_lm_head([RTN(8, act_bits=8)]) == 16
+    assert _default_lm_head([RTN(4, 32), make_config("lm_head", {"bits": 4})]) == 16  # a recipe's own head step

@@ -82,7 +82,7 @@ def test_prune_then_quantize_is_the_recipe_in_one_run(tiny_dir, text, tmp_path):
     assert r.returncode == 0, r.stderr
     two = tmp_path / "two"
     r = leanlm("quantize", tmp_path / "pruned", "--method", "gptq", "--bits", "4", "--group-size", "32", "--data", text,
-               "--samples", "4", "--seq-len", "16", "-o", two)
+               "--samples", "4", "--seq-len", "16", "--lm-head", "16", "-o", two)  # the recipe keeps a 16-bit head
     assert r.returncode == 0 and "8 layers quantized" in r.stdout, r.stderr
     one_record, two_record = (json.loads((tmp_path / d / qformat.RECORD).read_text()) for d in ("one", "two"))
     assert [s["method"] for s in two_record["recipe"]] == ["sparsegpt", "gptq"]

@@ -30,15 +30,16 @@ from leanlm.fetch import cache_dir
 
 err = Console(stderr=True)
 
-# name -> quantize options; "bf16" is the base model itself
+# name -> quantize options; "bf16" is the base model itself. 4-bit variants name their head: quantize gives
+# them an int8 one unless told --lm-head 16
 VARIANTS = {
     "rtn-w8a16": ["--method", "rtn", "--bits", "8"],
     "rtn-w8a16+head8": ["--method", "rtn", "--bits", "8", "--lm-head", "8"],
-    "rtn-w4a16-g128": ["--method", "rtn", "--bits", "4", "--group-size", "128"],
+    "rtn-w4a16-g128": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--lm-head", "16"],
     "rtn-w4a16-g128+head8": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--lm-head", "8"],
     "rtn-w4a16-g128+head4": ["--method", "rtn", "--bits", "4", "--group-size", "128", "--lm-head", "4"],
-    "gptq-w4a16-g128": ["--method", "gptq", "--group-size", "128"],
-    "awq-w4a16-g128": ["--method", "awq", "--group-size", "128"],
+    "gptq-w4a16-g128": ["--method", "gptq", "--group-size", "128", "--lm-head", "16"],
+    "awq-w4a16-g128": ["--method", "awq", "--group-size", "128", "--lm-head", "16"],
     "rtn-w8a8": ["--method", "rtn", "--bits", "8", "--act-bits", "8"],
     "smoothquant-w8a8": ["--method", "smoothquant"],
     "llm-int8": ["--method", "llm_int8"],

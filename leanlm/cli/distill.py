@@ -118,7 +118,10 @@ def distill(
     run = {"teacher": str(teacher), "student": str(student or student_from), "keep_layers": keep,
            "config": asdict(config), "history": asdict(history)}
     (output / "distill.json").write_text(json.dumps(run, indent=1))
-    plot_history(history, output / "curve.png")
+    try:
+        plot_history(history, output / "curve.png")
+    except ImportError:  # matplotlib is an extra
+        err.print("curve.png not drawn: matplotlib is not installed (pip install 'leanlm[plot]')")
     err.print(f"{history.tokens} training tokens in {history.seconds / 60:.1f} min "
               f"({history.tokens / max(history.seconds, 1e-9):.0f} tokens/s)")
     out.print(f"{student or student_from} -> {output} ({config.loss}, {trainer.step} steps: perplexity "

@@ -58,10 +58,15 @@ def distill(
     qat: Annotated[Optional[str], typer.Option(help="quantization-aware training for w8, w8a8 or w4g128 (w4g64, "
                                                     "w4g32): saved in leanlm's quantized format")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run whose checkpoint is in -o DIR")] = False,
+    keep_checkpoint: Annotated[bool, typer.Option(help="keep DIR/checkpoint (float32 weights and optimizer "
+                                                       "moments, ~4x the model) to --resume with a larger "
+                                                       "budget later")] = False,
 ) -> None:
     """Distil TEACHER into a student and save it to -o DIR (an ordinary model directory with curve.png and the
-    run in distill.json); checkpoints in DIR/checkpoint let --resume continue an interrupted run bit for bit."""
+    run in distill.json); checkpoints in DIR/checkpoint let --resume continue an interrupted run bit for bit
+    (removed when the run ends, unless --keep-checkpoint)."""
     import json
+    import shutil
     from dataclasses import asdict
 
     import torch
@@ -122,6 +127,8 @@ def distill(
         plot_history(history, output / "curve.png")
     except ImportError:  # matplotlib is an extra
         err.print("curve.png not drawn: matplotlib is not installed (pip install 'leanlm[plot]')")
+    if not keep_checkpoint:
+        shutil.rmtree(output / "checkpoint", ignore_errors=True)
     err.print(f"{history.tokens} training tokens in {history.seconds / 60:.1f} min "
               f"({history.tokens / max(history.seconds, 1e-9):.0f} tokens/s)")
     out.print(f"{student or student_from} -> {output} ({config.loss}, {trainer.step} steps: perplexity "

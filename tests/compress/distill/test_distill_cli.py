@@ -37,8 +37,9 @@ def test_a_student_cut_from_the_teacher_trains_saves_and_resumes(tiny_dir, tmp_p
     args = ("distill", "--teacher", tiny_dir, "--student-from", _pruned(tiny_dir, tmp_path / "pruned"),
             "--keep-layers", "1", "--data",
             _text(tmp_path), "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "128", "--eval-every", "2", "--lr", "1e-3", "-o", out)
-    r = leanlm(*args, "--steps", "2")
+    r = leanlm(*args, "--steps", "2", "--keep-checkpoint")
     assert r.returncode == 0, r.stderr
+    assert (out / "checkpoint" / "trainer.json").exists()
     assert "perplexity" in r.stdout and "distilling" not in r.stdout  # the bar went to stderr
     model = load_model(out, torch.float32)
     assert model.config.num_layers == 1 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
@@ -49,6 +50,7 @@ def test_a_student_cut_from_the_teacher_trains_saves_and_resumes(tiny_dir, tmp_p
     r = leanlm(*args, "--steps", "4", "--resume")  # a larger budget: two more steps from the checkpoint
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "distill.json").read_text())["history"]["steps"] == [0, 1, 2, 3]
+    assert not (out / "checkpoint").exists()  # a finished run leaves the model, not its optimizer state
 
 
 def test_qat_saves_a_quantized_model_that_keeps_its_pruning(tiny_dir, tmp_path):

@@ -159,6 +159,22 @@ at::Tensor check(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K,
   return at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
 }
 
+#ifdef LEANLM_SIMD
+// Zen 3's hardware prefetcher alone leaves the AVX2 int4 loop at 9-15 GB/s and the int8 loop at 12-18 (2 threads);
+// asking for the weight bytes 4 KiB ahead raised them by 5-25% (1024 to 4096 bytes all helped, 4096 most). On Zen 4
+// the AVX-512 loops gained 4-18% from it with 4 rows of x, but one row (batch-1 decode) lost 7-25% in int8 and was
+// level in int4 (3 A/B runs, the default model's matrices, 1 and 2 threads): they ask only for 2+ rows.
+// -DLEANLM_PREFETCH=0 builds every loop without it, for such an A/B.
+#ifndef LEANLM_PREFETCH
+#define LEANLM_PREFETCH 4096
+#endif
+constexpr int64_t kPrefetch = LEANLM_PREFETCH;
+
+inline void prefetch(const void* p) {
+  if constexpr (kPrefetch > 0) _mm_prefetch((const char*)p + kPrefetch, _MM_HINT_T0);
+}
+#endif
+
 #ifdef LEANLM_AVX512
 constexpr int64_t kChunk = 4096;  // int32 sums go to float this often: |sum| < 2 * 32767 * 128 * 4096 / 32 < 2^31
 
@@ -185,12 +201,14 @@ void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const 
       __m512i acc[M][2];  // two chains hide vpdpwssd's latency when M is small
       for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
       int64_t k = c;
-      for (; k + 64 <= end; k += 64)
+      for (; k + 64 <= end; k += 64) {
+        if constexpr (M > 1) prefetch(row + k);
         for (int u = 0; u < 2; ++u) {
           const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(row + k + 32 * u)));
           for (int m = 0; m < M; ++m)
             acc[m][u] = _mm512_dpwssd_epi32(acc[m][u], wv, _mm512_loadu_si512(xq + m * Kp + k + 32 * u));
         }
+      }
       for (; k < end; k += 32) {  // x is zero-padded to Kp, so only the weight load is masked
         const __mmask32 mask = end - k >= 32 ? ~0u : (1u << (end - k)) - 1;
         const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, row + k));
@@ -220,7 +238,8 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
       __m512i acc[M][2 * U];
       for (int m = 0; m < M; ++m)
         for (int u = 0; u < 2 * U; ++u) acc[m][u] = _mm512_setzero_si512();
-      for (int64_t k = j * g; k < (j + 1) * g; k += 4 * U)
+      for (int64_t k = j * g; k < (j + 1) * g; k += 4 * U) {
+        if constexpr (M > 1) prefetch(tile + k * 8);
         for (int u = 0; u < U; ++u) {
           const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tile + (k + 4 * u) * 8)));
           const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
@@ -230,6 +249,7 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
             acc[m][2 * u + 1] = _mm512_dpwssd_epi32(acc[m][2 * u + 1], hi, pair(xm + 2));
           }
         }
+      }
       for (int m = 0; m < M; ++m)
         for (int u = 1; u < 2 * U; ++u) acc[m][0] = _mm512_add_epi32(acc[m][0], acc[m][u]);
       // x w = s (x q) + (z - 8 s) x over the group, with x q = xs * (xq q)
@@ -246,9 +266,6 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
 }
 
 #elif defined(LEANLM_AVX2)
-// Zen 3's hardware prefetcher alone leaves the int4 loop at 9-15 GB/s and the int8 loop at 12-18 (2 threads);
-// asking for the weight bytes 4 KiB ahead raised them by 5-25% (1024 to 4096 bytes all helped, 4096 most).
-constexpr int64_t kPrefetch = 4096;
 constexpr int64_t kChunk = 4096;  // as above: 8 lanes, two chains, |sum| < 2 * 32767 * 128 * 4096 / 16 / 2 < 2^31
 
 inline __m256 bf16x8(const bf16* p) {  // 8 bf16 -> float32
@@ -286,7 +303,7 @@ void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const 
       for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
       int64_t k = c;
       for (; k + 32 <= end; k += 32) {
-        _mm_prefetch((const char*)(row + k + kPrefetch), _MM_HINT_T0);
+        prefetch(row + k);
         for (int u = 0; u < 2; ++u) {
           const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k + 16 * u)));
           for (int m = 0; m < M; ++m)
@@ -321,7 +338,7 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
       __m256i acc[M][2];
       for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
       for (int64_t k = j * g; k < (j + 1) * g; k += 4) {
-        _mm_prefetch((const char*)(tile + k * 8 + kPrefetch), _MM_HINT_T0);
+        prefetch(tile + k * 8);
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(tile + k * 8 + 16 * h)));
           const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_srli_epi16(v, 4);

@@ -33,6 +33,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"))  # one extension; sparse.cpp adds its ops to the namespace
+HEADER = Path(__file__).with_name("common.h")  # what both share (Rows, the ISA selection): in the hash, not compiled alone
 MAX_ROWS = 16  # rows of x up to which W8A16 runs the kernel; beyond, one bf16 GEMM on the codes (compute-bound)
 BF16_ROWS = 16  # rows of x up to which a bf16 Linear runs bf16_gemm (where the CPU has a fast loop for it)
 
@@ -64,7 +65,7 @@ def _build(variant: str):
 
     # the source's hash in the op namespace: compiled graphs that call these ops are cached on disk by inductor,
     # keyed by the graph; a graph calling an op whose signature changed crashed. A new source is a new namespace.
-    source = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:8]
+    source = hashlib.sha1(b"".join(s.read_bytes() for s in (*SOURCES, HEADER))).hexdigest()[:8]
     name = f"leanlm_{source}" if variant == "native" else f"leanlm_{variant}_{source}"
     flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}", *VARIANTS[variant]]
     # torch reuses a cached build whose sources and flags match, and "-march=native" reads the same on every CPU:

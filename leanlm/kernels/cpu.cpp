@@ -24,131 +24,9 @@
 // -mno-avx512f gives the AVX2 loops on an AVX-512 machine (the tests build all three and check each against a
 // float reference). isa() says which one a build runs.
 
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#ifndef LEANLM_NS
-#define LEANLM_NS leanlm  // the op namespace: torch.ops.leanlm.*
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(LEANLM_PORTABLE)
-#define LEANLM_AVX512 1
-#define LEANLM_ISA "avx512"
-#elif defined(__AVX2__) && defined(__FMA__) && !defined(LEANLM_PORTABLE)
-#define LEANLM_AVX2 1
-#define LEANLM_ISA "avx2"
-#else
-#define LEANLM_ISA "portable"
-#endif
-#if defined(LEANLM_AVX512) || defined(LEANLM_AVX2)
-#define LEANLM_SIMD 1  // integer dot products on int16-rounded activations
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 namespace {
-
-using bf16 = c10::BFloat16;
-constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weights (their accumulators stay in registers)
-
-// The rows of x as float32 (any float dtype, any strides), and for the vector loops also as int16 with a scale
-// per row, zero-padded to Kp (a multiple of 32). Plain loops: a tensor op costs microseconds, ~120 per step. The
-// buffers are kept per thread and reused, as a decode step makes ~120 products and their malloc/free showed.
-struct Rows {
-  int64_t M, K, Kp;
-  const float* f;                // [M, K]
-  const int16_t* q = nullptr;    // [M, Kp]
-  const float* scale = nullptr;  // [M]: x ~ q * scale
-
-  // x [M, K] rounded to int16 per row
-  explicit Rows(const at::Tensor& x) : Rows(x.size(0), x.size(1)) {
-    float* fp = fbuf().data();
-    const int64_t sm = x.stride(0), sk = x.stride(1);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows", [&] {
-      const scalar_t* p = x.data_ptr<scalar_t>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) fp[m * K + k] = float(p[m * sm + k * sk]);
-    });
-#ifdef LEANLM_SIMD
-    for (int64_t m = 0; m < M; ++m) sbuf()[m] = round_row(fp + m * K, K, qbuf().data() + m * Kp);
-#endif
-  }
-
-  // x = codes [M, K] int8 (contiguous) times scales [M] float32, as W8A8 quantized it: widened, not rounded again
-  Rows(const at::Tensor& codes, const at::Tensor& scales) : Rows(codes.size(0), codes.size(1)) {
-    const int8_t* c = codes.data_ptr<int8_t>();
-    float *fp = fbuf().data(), *sp = sbuf().data();
-    std::memcpy(sp, scales.data_ptr<float>(), M * sizeof(float));
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) fp[m * K + k] = c[m * K + k] * sp[m];
-#ifdef LEANLM_SIMD
-    for (int64_t m = 0; m < M; ++m) std::copy(c + m * K, c + (m + 1) * K, qbuf().data() + m * Kp);
-#endif
-  }
-
- private:
-  Rows(int64_t M_, int64_t K_) : M(M_), K(K_), Kp((K_ + 31) / 32 * 32) {
-    fbuf().resize(M * K);
-    sbuf().resize(M);
-    f = fbuf().data();
-    scale = sbuf().data();
-#ifdef LEANLM_SIMD
-    qbuf().assign(M * Kp, 0);
-    q = qbuf().data();
-#endif
-  }
-  static std::vector<float>& fbuf() { thread_local std::vector<float> b; return b; }
-  static std::vector<float>& sbuf() { thread_local std::vector<float> b; return b; }
-  static std::vector<int16_t>& qbuf() { thread_local std::vector<int16_t> b; return b; }
-
- public:
-#ifdef LEANLM_AVX512
-  static __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : (1u << left) - 1; }
-
-  // f [K] -> q [K] = round(f / scale) to nearest even (as std::nearbyint), |q| <= 32767; returns the scale
-  static float round_row(const float* f, int64_t K, int16_t* q) {
-    __m512 amax16 = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-      amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(K - k), f + k)));
-    const float amax = _mm512_reduce_max_ps(amax16);
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail(K - k), f + k), inv));
-      _mm256_mask_storeu_epi16(q + k, tail(K - k), _mm512_cvtsepi32_epi16(v));
-    }
-    return amax / 32767.f;
-  }
-#elif defined(LEANLM_AVX2)
-  static float round_row(const float* f, int64_t K, int16_t* q) {  // as above, 8 at a time
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 amax8 = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(f + k)));
-    float amax = 0.f, lanes[8];
-    _mm256_storeu_ps(lanes, amax8);
-    for (float a : lanes) amax = std::max(amax, a);
-    for (int64_t t = k; t < K; ++t) amax = std::max(amax, std::fabs(f[t]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (k = 0; k + 8 <= K; k += 8) {
-      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(f + k), _mm256_set1_ps(inv)));
-      _mm_storeu_si128((__m128i*)(q + k), _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-    }
-    for (; k < K; ++k) q[k] = int16_t(std::nearbyint(f[k] * inv));
-    return amax / 32767.f;
-  }
-#endif
-};
 
 at::Tensor check(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, at::ScalarType wtype,
                  const char* what) {
@@ -280,12 +158,6 @@ inline __m256i pair(const int16_t* p) {  // broadcast two adjacent int16 to ever
 
 inline __m256i dot(__m256i acc, __m256i a, __m256i b) {  // acc + (pairwise int16 products summed into int32)
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
 // Rows n0..n1 of w against M rows of x, as the AVX-512 loop; columns past the last 16 in plain integer loops.

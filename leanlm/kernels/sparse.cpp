@@ -4,7 +4,7 @@
 // uint8 (a 4-bit mask per group with exactly 2 bits set, group 2j in the low nibble of byte j, 2j + 1 in the high
 // one): 5 bits a weight instead of 8, so a batch-1 product streams 0.625x the bytes of the dense int8 kernel's.
 //
-// The activation rows are rounded to int16 with a scale per row exactly as cpu.cpp's Rows does (the same codes),
+// The activation rows are rounded to int16 with a scale per row by cpu.cpp's Rows (common.h: the same codes),
 // and the weights are placed back at their dense positions before the same integer dot products, so the int32
 // sums, and with them the results, equal int8_gemv's on the unpacked codes:
 // - AVX-512 (VBMI2): the 8 mask bytes of 64 inputs, read as one uint64, are the `vpexpandb` mask that moves their
@@ -14,23 +14,9 @@
 // int8_24_unpack writes the dense codes [N, K] with the same expansion (prefill runs one bf16 GEMM on them).
 // Compiled into the same extension as cpu.cpp (leanlm/kernels/__init__.py), with the same ISA selection.
 
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
-
-#include <algorithm>
 #include <array>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
 
-#ifndef LEANLM_NS
-#define LEANLM_NS leanlm
-#endif
+#include "common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI2__) && \
     !defined(LEANLM_PORTABLE)
@@ -40,48 +26,11 @@
 #endif
 #if defined(LEANLM24_AVX512) || defined(LEANLM24_AVX2)
 #define LEANLM24_SIMD 1
-#include <immintrin.h>
 #endif
 
 namespace {
 
-using bf16 = c10::BFloat16;
-constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weights
 constexpr int64_t kChunk = 4096;  // int32 sums go to float this often (as cpu.cpp: no int32 overflow)
-
-// The rows of x as float32 and, for the vector loops, rounded to int16 with a scale per row (round to nearest
-// even of x * 32767 / max|x|, as cpu.cpp's Rows), zero-padded to Kp (a multiple of 64). Per-thread buffers.
-struct Rows {
-  int64_t M, K, Kp;
-  const float* f;
-  const int16_t* q;
-  const float* scale;
-
-  explicit Rows(const at::Tensor& x) : M(x.size(0)), K(x.size(1)), Kp((x.size(1) + 63) / 64 * 64) {
-    thread_local std::vector<float> fb, sb;
-    thread_local std::vector<int16_t> qb;
-    fb.resize(M * K);
-    sb.resize(M);
-    qb.assign(M * Kp, 0);
-    const int64_t sm = x.stride(0), sk = x.stride(1);
-    float* fp = fb.data();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows", [&] {
-      const scalar_t* p = x.data_ptr<scalar_t>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) fp[m * K + k] = float(p[m * sm + k * sk]);
-    });
-    for (int64_t m = 0; m < M; ++m) {
-      const float* row = fp + m * K;
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      for (int64_t k = 0; k < K; ++k)
-        qb[m * Kp + k] = int16_t(std::min(32767.f, std::max(-32768.f, std::nearbyint(row[k] * inv))));
-      sb[m] = amax / 32767.f;
-    }
-    f = fp, q = qb.data(), scale = sb.data();
-  }
-};
 
 #ifdef LEANLM24_AVX512
 // Rows n0..n1 against M rows of x: 64 inputs a step, their 32 kept bytes expanded to dense positions.
@@ -147,12 +96,6 @@ constexpr std::array<uint64_t, 256> spread_table() {
   return t;
 }
 constexpr std::array<uint64_t, 256> kSpread = spread_table();
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 
 // Rows n0..n1 against M rows of x: 16 inputs a step (8 kept bytes, 2 mask bytes), the last K % 16 in integers.
 template <int M>

@@ -1,26 +1,19 @@
-"""A/B of the kernels' weight prefetch: cpu.cpp built twice (as is, and with -DLEANLM_PREFETCH=0) and the int8 and int4
-products run on the default model's 30 layers of matrices (out of cache), interleaved rounds, 1 and 2 threads, 1 and 4
-rows of x. Prints GB/s of weights read and the ratio (with / without).
+"""A/B of the kernels' weight prefetch: the kernels built twice (as is, and the `noprefetch` variant:
+-DLEANLM_PREFETCH=0) and the int8 and int4 products run on the default model's 30 layers of matrices (out of cache),
+interleaved rounds, 1 and 2 threads, 1 and 4 rows of x. Prints GB/s of weights read and the ratio (with / without).
 
     python benchmarks/kernels_prefetch.py
 """
 
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
+from leanlm import kernels
 from leanlm.compress.quant.linear import pack_int4
 
-src = str(Path(__file__).resolve().parents[1] / "leanlm/kernels/cpu.cpp")
-ns = {}
-for tag, flag in (("on", []), ("off", ["-DLEANLM_PREFETCH=0"])):
-    name = f"leanlm_pf{tag}"
-    load(name=name + "_k", sources=[src], extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}", *flag],
-         extra_ldflags=["-fopenmp"], is_python_module=False)
-    ns[tag] = getattr(torch.ops, name)
+ns = {"on": kernels.build(), "off": kernels.build("noprefetch")}
 torch.manual_seed(0)
 shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # the default model's 30 layers: ~100 MB int8
 w8 = [torch.randint(-127, 128, s, dtype=torch.int8) for s in shapes]

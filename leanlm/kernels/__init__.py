@@ -39,14 +39,16 @@ BF16_ROWS = 16  # rows of x up to which a bf16 Linear runs bf16_gemm (where the 
 
 
 # isa -> the flags that select cpu.cpp's loops; -march=native picks the best the CPU has
-VARIANTS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-DLEANLM_PORTABLE"]}
+VARIANTS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-DLEANLM_PORTABLE"],
+            "noprefetch": ["-DLEANLM_PREFETCH=0"]}  # the native loops without software prefetch (an A/B)
 _loaded: dict[str, object] = {}  # variant -> op namespace or None (a plain dict: torch.compile traces ops())
 
 
 def build(variant: str = "native"):
     """Compile and load cpu.cpp once per process; return its op namespace, or None if it cannot be built here.
     variant: "native" (the best loops for this CPU), or, for tests, "avx2" (the AVX2 loops even on an AVX-512
-    CPU; namespace leanlm_avx2_*) and "portable" (the plain loops; leanlm_portable_*)."""
+    CPU; namespace leanlm_avx2_*) and "portable" (the plain loops; leanlm_portable_*); "noprefetch" for
+    benchmarks/kernels_prefetch.py."""
     if variant not in _loaded:
         _loaded[variant] = _build(variant)
     return _loaded[variant]

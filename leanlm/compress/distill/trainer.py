@@ -151,10 +151,9 @@ class Trainer:
         seed = (self.config.seed * 1_000_003 + step) * 1009 + micro
         return calibration_samples(self.train_ids, self.config.batch_size, self.config.seq_len + 1, seed)
 
-    def teacher_logits(self, inputs: torch.Tensor, key: str):
+    def teacher_logits(self, inputs: torch.Tensor, positions: torch.Tensor, key: str):
         """The teacher's logits [B, T, V] on inputs [B, T], or for the top-k losses its (values, indices) [B, T, k],
         read from the logit cache when an earlier run (another student, a resumed run) stored them."""
-        positions = torch.arange(inputs.shape[1])[None].expand_as(inputs)
         if self.config.loss not in TOPK:
             with torch.no_grad():
                 return self.teacher(inputs, positions).float()
@@ -176,7 +175,7 @@ class Trainer:
         """The configured loss on one micro-batch; `key` names its teacher logits in the cache  # tokens [B, T + 1]"""
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(inputs.shape[1])[None].expand_as(inputs)
-        teacher = self.teacher_logits(inputs, key)
+        teacher = self.teacher_logits(inputs, positions, key)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast):
             student = self.student(inputs, positions)
         return LOSSES[self.config.loss](student.float(), teacher, labels, self.config)

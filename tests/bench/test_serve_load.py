@@ -9,7 +9,7 @@ from tests.test_cli import leanlm
 
 def test_percentiles_are_nearest_rank_and_goodput_counts_requests_within_every_slo():
     values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
-    assert _stats(values) == {"mean": pytest.approx(50.5), "p50": pytest.approx(50), "p90": pytest.approx(90),
+    assert _stats(values) == {"mean": pytest.approx(50.5), "p50": pytest.approx(50), "p90": pytest.approx(90), "p95": pytest.approx(95),
                               "p99": pytest.approx(99)}
     results = [RequestResult(True, 10, output_tokens=11, ttft=0.1 * k, latency=0.1 * k + 0.5) for k in (1, 2, 3)]
     results.append(RequestResult(False, 10, error="HTTP 500"))

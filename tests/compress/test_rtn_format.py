@@ -47,7 +47,10 @@ def test_quantized_output_stays_close_to_float(tmp_path):
     assert errors[8] < 0.02 and errors[8] < errors[4] < 0.3
 
 
-@pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=4, act_bits=8), dict(bits=4, group_size=48), dict(act_bits=4)])
+@pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=4, act_bits=8), dict(bits=4, group_size=48), dict(act_bits=4),
+                                    dict(layers={"x": 5}), dict(layers=["x"]), dict(act_bits=8, layers={"x": 4}),
+                                    dict(layers={"x": {"bits": 4, "group_size": 48}}),
+                                    dict(layers={"x": {"bits": 8, "group_size": 32}}), dict(layers={"x": {"b": 4}})])
 def test_bad_options(kwargs):
     with pytest.raises(LeanLMError):
         RTN(**kwargs)
@@ -157,3 +160,44 @@ def test_4_bit_methods_default_to_an_int8_lm_head():
     assert _default_lm_head([RTN(4, 32)]) == _default_lm_head([GPTQ()]) == 8
     assert _default_lm_head([RTN(8)]) == _default_lm_head([RTN(8, act_bits=8)]) == 16
     assert _default_lm_head([RTN(4, 32), make_config("lm_head", {"bits": 4})]) == 16  # a recipe's own head step
+
+
+def test_per_layer_bits_last_matching_pattern_wins(tmp_path):
+    from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
+    from leanlm.models.layers import Linear
+
+    make_hf_model("llama", tmp_path / "src")
+    model = load_model(tmp_path / "src", torch.bfloat16)
+    config = RTN(4, 32, layers={"layers.*.mlp.*": 8, "layers.1.mlp.down_proj": {"bits": 4, "group_size": 32},
+                                "layers.0.self_attn.o_proj": 16})
+    records = apply(model, config)
+    kinds = {name: (type(m).__name__, getattr(m, "group_size", None)) for name, m in model.named_modules()
+             if isinstance(m, (Linear, W4A16Linear, W8A16Linear)) and name.startswith("layers.")}
+    assert kinds == {"layers.0.self_attn.qkv_proj": ("W4A16Linear", 32), "layers.0.self_attn.o_proj": ("Linear", None),
+                     "layers.0.mlp.gate_up_proj": ("W8A16Linear", None), "layers.0.mlp.down_proj": ("W8A16Linear", None),
+                     "layers.1.self_attn.qkv_proj": ("W4A16Linear", 32), "layers.1.self_attn.o_proj": ("W4A16Linear", 32),
+                     "layers.1.mlp.gate_up_proj": ("W8A16Linear", None), "layers.1.mlp.down_proj": ("W4A16Linear", 32)}
+    assert "layers.0.self_attn.o_proj" not in records and len(records) == 7
+    with pytest.raises(LeanLMError, match="'layers.9.\\*' match no decoder projection"):
+        apply(load_model(tmp_path / "src", torch.bfloat16), RTN(4, 32, layers={"layers.9.*": 8}))
+
+
+def test_mixed_gptq_through_a_recipe(tiny_dir, tmp_path):
+    """rtn leaves all but the named projections in float (16); gptq then takes the rest."""
+    from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
+
+    recipe = tmp_path / "mixed.yaml"
+    recipe.write_text("- method: rtn\n  bits: 8\n  layers:\n    '*': 16\n    layers.*.mlp.down_proj: 8\n"
+                      "- {method: gptq, group_size: 32}\n")
+    text = tmp_path / "calib.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "mixed"
+    r = leanlm("quantize", tiny_dir, "--recipe", recipe, "--data", text, "--samples", "4", "--seq-len", "16",
+               "--lm-head", "16", "-o", out)
+    assert r.returncode == 0, r.stderr
+    model = load_model(out, torch.bfloat16)
+    for i in range(2):
+        assert isinstance(model.get_submodule(f"layers.{i}.mlp.down_proj"), W8A16Linear)
+        assert isinstance(model.get_submodule(f"layers.{i}.mlp.gate_up_proj"), W4A16Linear)
+    recipe_saved = json.loads((out / "quantization.json").read_text())["recipe"]
+    assert recipe_saved[0]["layers"] == {"*": 16, "layers.*.mlp.down_proj": 8} and recipe_saved[1]["method"] == "gptq"

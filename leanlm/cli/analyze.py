@@ -95,8 +95,6 @@ def analyze(
     if bandwidth is None or gflops is None:
         from leanlm.bench.probe import peaks
 
-        if not json_:
-            err.print("peak bandwidth and FLOP/s: the probe (a few seconds the first time, then cached)")
         peak = peaks(net.device.type, threads, refresh=refresh_probe)
         bandwidth = peak.bandwidth_gbs if bandwidth is None else bandwidth
         gflops = peak.matmul_gflops.get(compute_name, peak.matmul_gflops["float32"]) if gflops is None else gflops

@@ -12,6 +12,7 @@ import torch
 
 from leanlm.analysis.memory import kv_bytes_per_token, param_count, weight_bytes_read
 from leanlm.bench.probe import peaks
+from leanlm.cache.static import StaticCache
 from leanlm.generation.compiled import CompiledDecoder
 from leanlm.generation.decode import decode_step, prefill
 from leanlm.models.transformer import Transformer
@@ -54,10 +55,12 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 @torch.inference_mode()
 def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
-          warmup: int = 1, refresh_probe: bool = False, compiled: bool = False) -> BenchResult:
+          warmup: int = 1, refresh_probe: bool = False, compiled: bool = False,
+          cache_cls: type = StaticCache) -> BenchResult:
     """Time prefill and decode of random tokens (greedy, no early stop) on `model` as it is loaded.
 
     compiled: decode with a torch.compile'd step (the warm-up pass pays the compilation).
+    cache_cls: StaticCache or compress.quant.kv.Int8KVCache (GB/s then counts the int8 cache's bytes).
     """
     cfg, dev = model.config, model.device
     step = CompiledDecoder(model).decode_step if compiled else partial(decode_step, model)
@@ -67,7 +70,7 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
     for rep in range(warmup + 1):
         synchronize(dev)
         start = time.perf_counter()
-        logits, cache = prefill(model, prompts, new_tokens)
+        logits, cache = prefill(model, prompts, new_tokens, cache_cls=cache_cls)
         tokens = logits.argmax(-1)
         synchronize(dev)
         ttfts.append(time.perf_counter() - start)
@@ -84,7 +87,8 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
     dtype = str(model.dtype).removeprefix("torch.")
     weights = weight_bytes_read(model)
     avg_len = prompt_tokens + new_tokens / 2
-    kv_read = kv_bytes_per_token(cfg, model.dtype.itemsize) * avg_len * batch
+    kv_item = 1 + 4 / cfg.head_dim if cache_cls is not StaticCache else model.dtype.itemsize  # int8: + fp32 scale
+    kv_read = kv_bytes_per_token(cfg, kv_item) * avg_len * batch
     gbs = (weights + kv_read) / tpot / 1e9
     counts = param_count(cfg)
     attn_flops = 2 * cfg.num_layers * cfg.q_size * prompt_tokens**2  # QK^T and PV, causal half of 4*T^2

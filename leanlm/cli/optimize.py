@@ -2,4 +2,86 @@
 
 from __future__ import annotations
 
-from leanlm.cli.common import app  # noqa: F401  (verbs register on it)
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from leanlm.cli.common import Model, Threads, app, err, out
+
+DEFAULT_BUDGET = "ppl_gap=0.02"
+
+
+@app.command()
+def optimize(
+    model: Model = "smollm2-135m",
+    budget: Annotated[str, typer.Option(help="limits, comma-separated: latency_ms (batch-1 TPOT), ttft_ms, memory_mb "
+                                             "(weights), ppl_gap (0.02: perplexity at most 2% above the original's), "
+                                             "kl (nats/token), pass1; with a quality limit the fastest variant "
+                                             "within it is recommended, else the most faithful within the cost "
+                                             "limits")] = DEFAULT_BUDGET,
+    recipes: Annotated[str, typer.Option(help="variants to sweep: default, quick, or a YAML file listing {name, "
+                                              "steps: [quantize/prune recipe steps], dtype, kv_cache: 16|int8, "
+                                              "prompt_lookup: N}")] = "default",
+    quick: Annotated[bool, typer.Option(help="the quick sweep (8 variants, 4096 evaluation tokens, 32 calibration "
+                                             "windows): about 10 minutes on 2 cores")] = False,
+    data: Annotated[Optional[Path], typer.Option(help="evaluation and calibration text (default: the built-in "
+                                                      "splits)")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option(help="evaluation tokens (default 16384, quick 4096)")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="calibration windows of 512 tokens (default 128, quick 32)")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(help="also measure output tokens/s with N requests in the "
+                                                            "serving engine at once (default 16, quick 0: off)")] = None,
+    eager: Annotated[bool, typer.Option(help="time decode eagerly instead of as a compiled step")] = False,
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory for report.html, pareto.png, "
+                                                                "results.json and recommended/ (a re-run reuses "
+                                                                "every measured row)")] = Path("optimize-out"),
+    threads: Threads = None,
+) -> None:
+    """The main job: make and measure compressed variants of MODEL (quantization, int8 KV cache, prompt lookup,
+    pruning), draw quality against latency and memory with the Pareto frontier, recommend the best variant within
+    --budget, copy it to DIR/recommended and print the `leanlm serve` command for it."""
+    from rich.progress import Progress
+
+    from leanlm.errors import LeanLMError
+    from leanlm.optimize.job import optimize as run
+    from leanlm.optimize.pareto import Budget
+    from leanlm.optimize.sweep import Settings
+    from leanlm.optimize.variants import read_variants
+
+    limits = Budget.parse(budget)
+    variants = read_variants("quick" if quick and recipes == "default" else recipes)
+    for name, value in (("eval-tokens", eval_tokens), ("samples", samples)):
+        if value is not None and value < 1:
+            raise LeanLMError(f"--{name} must be at least 1")
+    if output.exists() and not (output / "results.json").exists() and any(output.iterdir()):
+        raise LeanLMError(f"{output} exists and is not an optimize output; choose a new directory")
+    settings = Settings(eval_tokens=eval_tokens or (4096 if quick else 16384), data=str(data) if data else None,
+                        samples=samples or (32 if quick else 128), compiled=not eager, threads=threads,
+                        concurrency=(0 if quick else 16) if concurrency is None else concurrency)
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("optimize", total=len(variants))
+        outcome = run(model, variants, limits, settings, output,
+                      status=lambda text: bar.update(task, description=text),
+                      on_row=lambda row: bar.advance(task))
+    out.print(_table(outcome.rows, outcome.recommended))
+    if outcome.best is None:
+        out.print(f"no variant fits --budget {budget}; see the budget column")
+    else:
+        out.print(f"recommended: [bold]{outcome.best['name']}[/] -> {output / 'recommended'}")
+        out.print(f"serve it: {outcome.serve_command}", soft_wrap=True, highlight=False)
+    out.print(f"report: {output / 'report.html'}, {output / 'pareto.png'}, {output / 'results.json'}")
+
+
+def _table(rows: list[dict], recommended: int | None) -> Table:
+    table = Table(title="variants (quality on held-out text; cost at batch 1)")
+    for col in ("variant", "ppl", "gap", "KL", "top-1", "TPOT ms", "TTFT ms", "tok/s", "weights MB", "frontier",
+                "budget"):
+        table.add_column(col, justify="left" if col in ("variant", "frontier", "budget") else "right")
+    for i, r in enumerate(rows):
+        name = r["name"] + (" *" if i == recommended else "")
+        table.add_row(name, f"{r['perplexity']:.3f}", f"{r['ppl_gap']:+.2%}", f"{r['kl']:.4f}", f"{r['top1']:.1%}",
+                      f"{r['tpot_ms']:.2f}", f"{r['ttft_ms']:.0f}", f"{r['tokens_per_s']:.0f}",
+                      f"{r['memory_mb']:.0f}", ", ".join(a.removesuffix("_ms").removesuffix("_mb") for a in r["on_frontier"]),
+                      r["over_budget"] or "fits")
+    return table

@@ -31,11 +31,16 @@ class PerplexityResult:
     tokens: int  # number of scored tokens
 
 
+DP_QUANTILES = (0.0, 0.01, 0.05, 0.5, 0.95, 0.99, 1.0)  # of dp, as llama.cpp's KL statistics report them
+
+
 @dataclass(frozen=True)
 class Agreement:
     kl: float  # mean KL(reference || model) per token, nats
     top1: float  # fraction of positions where both models' most likely token is the same
     tokens: int
+    dp: tuple[float, ...] = ()  # quantiles DP_QUANTILES of p_model(next token) - p_reference(next token)
+    dp_rms: float = 0.0  # root mean square of that difference
 
 
 def windows(n: int, window: int, stride: int) -> Iterator[tuple[int, int, int]]:
@@ -53,22 +58,26 @@ def windows(n: int, window: int, stride: int) -> Iterator[tuple[int, int, int]]:
             return
 
 
-def _scored_logits(model: Transformer, ids: torch.Tensor, begin: int, end: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [n, V] predicting ids[first:end], and those targets [n]."""
+def _scored_logits(model: Transformer, ids: torch.Tensor, begin: int, end: int, first: int,
+                   cache_cls=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [n, V] predicting ids[first:end], and those targets [n]; with `cache_cls` (e.g. Int8KVCache) the
+    window's keys and values pass through such a cache, so attention sees what decoding from it would."""
     chunk = ids[begin:end].to(model.device)[None]
-    logits = model(chunk, torch.arange(end - begin, device=model.device)[None])[0]
+    cache = None if cache_cls is None else cache_cls(model.config, 1, end - begin, model.dtype, model.device)
+    logits = model(chunk, torch.arange(end - begin, device=model.device)[None], cache)[0]
     return logits[first - begin - 1 : end - begin - 1].float(), chunk[0, first - begin :]
 
 
 @torch.inference_mode()
 def score(model: Transformer, ids: torch.Tensor, reference: Transformer | None = None, window: int = DEFAULT_WINDOW,
-          stride: int = DEFAULT_STRIDE, progress=None) -> tuple[PerplexityResult, Agreement | None]:
+          stride: int = DEFAULT_STRIDE, progress=None, cache_cls=None) -> tuple[PerplexityResult, Agreement | None]:
     """Perplexity of `model` on a token stream ids [N] (see the module docstring for the windowing) and, with a
-    reference, in the same pass: mean KL(reference || model) and top-1 agreement."""
+    reference, in the same pass: mean KL(reference || model), top-1 agreement and the spread of the change in
+    the next token's probability. `cache_cls`: the model's KV cache (see _scored_logits)."""
     window = min(window, model.config.max_position, reference.config.max_position if reference else window)
-    nll, kl, same, count = 0.0, 0.0, 0, 0
+    nll, kl, same, count, dps = 0.0, 0.0, 0, 0, []
     for begin, end, first in windows(len(ids), window, min(stride, window)):
-        logits, targets = _scored_logits(model, ids, begin, end, first)
+        logits, targets = _scored_logits(model, ids, begin, end, first, cache_cls)
         nll += F.cross_entropy(logits, targets, reduction="sum").item()
         count += len(targets)
         if reference is not None:
@@ -76,9 +85,15 @@ def score(model: Transformer, ids: torch.Tensor, reference: Transformer | None =
             logq = _scored_logits(reference, ids, begin, end, first)[0].log_softmax(-1)
             kl += (logq.exp() * (logq - logp)).sum().item()
             same += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
+            picked = targets[:, None].to(logp.device)
+            dps.append((logp.gather(-1, picked).exp() - logq.gather(-1, picked).exp())[:, 0].cpu())
         if progress:
             progress(len(targets))
-    agree = None if reference is None else Agreement(kl / count, same / count, count)
+    agree = None
+    if reference is not None:
+        dp = torch.cat(dps)
+        agree = Agreement(kl / count, same / count, count, tuple(torch.quantile(dp, torch.tensor(DP_QUANTILES)).tolist()),
+                          dp.square().mean().sqrt().item())
     return PerplexityResult(math.exp(nll / count), nll / count, count), agree
 
 

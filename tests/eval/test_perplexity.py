@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.errors import LeanLMError
-from leanlm.eval.perplexity import agreement, perplexity, windows
+from leanlm.eval.perplexity import DP_QUANTILES, agreement, perplexity, windows
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
 
@@ -56,3 +56,24 @@ def test_agreement_self_is_perfect_and_noise_is_not(tmp_path):
             p.add_(torch.randn_like(p) * 0.2)
     diff = agreement(other, model, ids, 16, 8)
     assert diff.kl > 0.01 and diff.top1 < 1.0
+    # dp: the change in the next token's probability, as llama.cpp's KL statistics report it; here one window
+    logits_o, logits_m = (m(ids[None], torch.arange(40)[None])[0, :-1].softmax(-1) for m in (other, model))
+    naive = (logits_o.gather(-1, ids[1:, None]) - logits_m.gather(-1, ids[1:, None]))[:, 0]
+    one = agreement(other, model, ids, 40, 40)
+    assert same.dp == pytest.approx([0.0] * len(DP_QUANTILES), abs=1e-6)
+    assert one.dp[0] == pytest.approx(naive.min().item(), abs=1e-5) and one.dp[-1] == pytest.approx(naive.max().item(), abs=1e-5)
+    assert one.dp[3] == pytest.approx(naive.quantile(0.5).item(), abs=1e-5)
+    assert one.dp_rms == pytest.approx(naive.square().mean().sqrt().item(), rel=1e-4)
+
+
+def test_an_int8_kv_cache_changes_the_scores_a_little(tmp_path):
+    from leanlm.compress.quant.kv import Int8KVCache
+    from leanlm.eval.perplexity import score
+
+    make_hf_model("llama", tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    ids = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(1))
+    plain, _ = score(model, ids, window=32, stride=16)
+    int8, agree = score(model, ids, model, window=32, stride=16, cache_cls=Int8KVCache)
+    assert int8.tokens == plain.tokens and int8.perplexity != plain.perplexity
+    assert int8.perplexity == pytest.approx(plain.perplexity, rel=0.02) and 0 < agree.kl < 1e-3

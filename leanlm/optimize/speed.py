@@ -1,0 +1,66 @@
+"""A variant's cost, measured in a fresh process (`python -m leanlm.optimize.speed JSON`), so that one variant's
+compiled graphs, allocator and threads never touch another's timing; prints one JSON object.
+
+Batch 1: `bench.latency.bench` on random tokens (TTFT of the prompt, median TPOT, MBU, prefill MFU, peak RSS).
+Prompt lookup is exact (its output is the plain model's), so its cost is the plain TPOT divided by the speedup
+measured A/B on input-grounded prompts (bench.speculative), where copying from the prompt can pay.
+Concurrent: `concurrency` random-token requests through the serving engine at once, output tokens per second.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, compiled: bool, threads: int | None,
+            prompt_tokens: int, new_tokens: int, concurrency: int) -> dict:
+    import torch
+
+    from leanlm.api import load
+    from leanlm.bench.latency import bench
+    from leanlm.cache.static import StaticCache
+    from leanlm.compress.quant.kv import Int8KVCache
+    from leanlm.runtime import pick_threads
+
+    net, tok = load(model, dtype, None, progress=False)
+    threads, _ = pick_threads(net, threads)
+    cache_cls = Int8KVCache if kv_cache == "int8" else StaticCache
+    r = bench(net, model, prompt_tokens, new_tokens, 1, compiled=compiled, cache_cls=cache_cls).to_dict()
+    if prompt_lookup:
+        from leanlm.bench.speculative import compare, grounded_prompts
+        from leanlm.generation.sampling import SamplingParams
+        from leanlm.generation.speculative import LookupProposer, resolve_k
+
+        params = SamplingParams(temperature=0, max_tokens=new_tokens)
+        spec = compare(net, tok, grounded_prompts(), params, lambda max_len: LookupProposer(ngram=prompt_lookup),
+                       resolve_k(net, None, None))
+        r.update(speedup=spec["measured_speedup"], acceptance=spec["acceptance"],
+                 tpot_ms=r["tpot_ms"] / spec["measured_speedup"], tokens_per_s=r["tokens_per_s"] * spec["measured_speedup"])
+    if concurrency:
+        r["throughput"] = _throughput(net, tok, kv_cache, concurrency, prompt_tokens, new_tokens, prompt_lookup)
+        torch.set_num_threads(threads)
+    return r
+
+
+def _throughput(net, tok, kv_cache: str, n: int, prompt_tokens: int, new_tokens: int, prompt_lookup: int) -> float:
+    """Output tokens per second with `n` random-token requests in the engine at once (eager steps, greedy)."""
+    import torch
+
+    from leanlm.engine.llm import LLM
+    from leanlm.generation.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, net.config.vocab_size, (n, prompt_tokens), generator=gen).tolist()
+    llm = LLM(net, tok, quiet=True, max_num_seqs=n, kv_cache_dtype="int8" if kv_cache == "int8" else "auto",
+              prompt_lookup=prompt_lookup)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], params, progress=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, progress=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(**json.loads(sys.argv[1]))))

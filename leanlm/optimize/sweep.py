@@ -1,0 +1,236 @@
+"""The sweep: build each variant once, measure its quality and its cost, keep every measured row on disk.
+
+Everything measured is cached under `$LEANLM_CACHE/optimize/<model hash>/`, keyed by what it depends on: a built
+model by its steps and calibration; a quality row by the model, KV cache and evaluation text; a cost row by all
+of the variant and the timing settings. A resumed (or repeated) sweep measures nothing twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from leanlm.errors import LeanLMError
+from leanlm.optimize.variants import Variant, _digest
+
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How every variant is measured (part of each cached row's key)."""
+
+    eval_tokens: int = 16384  # of the evaluation text, for perplexity, KL, top-1 and dp
+    data: str | None = None  # evaluation text file (None: the built-in split)
+    reference_dtype: str = "bfloat16"  # the original that KL, top-1 and the perplexity gap are measured against
+    samples: int = 128  # calibration windows for methods that need data
+    seq_len: int = 512
+    prompt_tokens: int = 128  # batch-1 timing: prompt length (TTFT) and decoded tokens (TPOT)
+    new_tokens: int = 64
+    compiled: bool = True  # batch-1 decode as a torch.compile'd step, as `leanlm serve --compile` runs it
+    threads: int | None = None
+    concurrency: int = 0  # requests in the serving engine at once for the throughput column (0: not measured)
+
+
+@dataclass
+class Measured:
+    """One variant, measured: a row of results.json and of the report."""
+
+    name: str
+    variant: dict
+    model_dir: str  # what `leanlm serve` loads for this variant
+    perplexity: float
+    ppl_gap: float  # perplexity / the original's - 1
+    kl: float  # mean KL(original || variant) per token, nats
+    top1: float  # top-1 agreement with the original
+    dp: list[float]  # quantiles eval.perplexity.DP_QUANTILES of p(next token) - p_original(next token)
+    dp_rms: float
+    tokens: int  # evaluation tokens scored
+    memory_mb: float  # resident weights
+    disk_mb: float
+    bits_per_weight: float
+    ttft_ms: float
+    tpot_ms: float
+    tokens_per_s: float
+    mbu: float
+    mfu: float
+    peak_memory_mb: float  # peak RSS of the timing process
+    threads: int
+    build_s: float = 0.0  # making the variant (quantize/prune), 0 for the model as it is
+    quality_s: float = 0.0  # measuring its quality, and its cost (a fresh process: loading and compiling included)
+    cost_s: float = 0.0
+    throughput: float | None = None  # output tokens/s with Settings.concurrency requests at once
+    speedup: float | None = None  # prompt lookup: measured over plain decoding on input-grounded prompts
+    pass1: float | None = None  # HumanEval pass@1 (code models)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_hash(path: Path) -> str:
+    """sha256 over the files of a model directory (or a single file), names included."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        h.update(str(f.relative_to(path.parent if path.is_file() else path)).encode())
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+class Sweep:
+    """Measure `variants` of `model` with `settings`; `status(text)` hears what runs now."""
+
+    def __init__(self, model: str, variants: tuple[Variant, ...], settings: Settings, root: Path | None = None,
+                 status=lambda text: None):
+        from leanlm.fetch import cache_dir
+        from leanlm.models.zoo import resolve
+
+        self.model, self.variants, self.settings, self.status = model, variants, settings, status
+        self.source = resolve(model)
+        self.root = (root or cache_dir() / "optimize") / model_hash(self.source)
+        self._reference = None
+        self._ids = None
+
+    def run(self, on_row=lambda row: None) -> list[Measured]:
+        rows = []
+        for variant in self.variants:
+            rows.append(self.measure(variant))
+            on_row(rows[-1])
+        return rows
+
+    def measure(self, variant: Variant) -> Measured:
+        path = self.root / "rows" / f"{self._key('row', variant.to_dict(), asdict(self.settings))}.json"
+        if path.exists():
+            return Measured(**json.loads(path.read_text()))
+        model_dir, build_s = self.build(variant)
+        start = time.perf_counter()
+        quality = self.quality(variant, model_dir)
+        middle = time.perf_counter()
+        self.status(f"{variant.name}: timing")
+        cost = self.cost(variant, model_dir)
+        row = Measured(name=variant.name, variant=variant.to_dict(), model_dir=str(model_dir), build_s=build_s,
+                       quality_s=middle - start, cost_s=time.perf_counter() - middle, **quality, **cost)
+        _write_json(path, row.to_dict())
+        return Measured(**json.loads(path.read_text()))  # as a resumed sweep will read it (tuples as lists)
+
+    def _key(self, *parts) -> str:
+        return _digest(parts)
+
+    def build(self, variant: Variant) -> tuple[Path, float]:
+        """The variant's model directory, made by `leanlm quantize/prune --recipe` in a fresh process once."""
+        if not variant.builds_model:
+            return self.source, 0.0
+        s = self.settings
+        out = self.root / "models" / self._key(variant.model_key(), s.samples, s.seq_len, s.data)
+        record = out.parent / f"{out.name}.json"
+        if out.exists() and record.exists():
+            return out, json.loads(record.read_text())["seconds"]
+        self.status(f"{variant.name}: building")
+        if out.exists():  # a build interrupted between its rename and its record
+            import shutil
+
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # the same file system: the rename below is atomic
+            recipe = Path(tmp) / "recipe.yaml"
+            recipe.write_text(yaml.safe_dump(list(variant.steps)))
+            cmd = [sys.executable, "-m", "leanlm.cli", "prune" if variant.prunes else "quantize", str(self.source),
+                   "--recipe", str(recipe), "-o", str(Path(tmp) / "model"), "--samples", str(s.samples),
+                   "--seq-len", str(s.seq_len), "--dtype", variant.dtype] + (["--data", s.data] if s.data else [])
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            seconds = time.perf_counter() - start
+            if proc.returncode:
+                raise LeanLMError(f"building variant {variant.name} failed: {_last_line(proc.stderr)}")
+            (Path(tmp) / "model").rename(out)
+        _write_json(record, {"seconds": seconds, "steps": list(variant.steps)})
+        return out, seconds
+
+    def quality(self, variant: Variant, model_dir: Path) -> dict:
+        """Perplexity, KL, top-1 and dp against the original (in reference_dtype) on the evaluation text, and the
+        variant's size in memory."""
+        s = self.settings
+        path = self.root / "quality" / f"{self._key(str(model_dir), variant.dtype, variant.kv_cache, s.eval_tokens, s.data, s.reference_dtype)}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        self.status(f"{variant.name}: quality")
+        from leanlm.analysis.memory import formula_weight_bytes, stored_bytes
+        from leanlm.api import load
+        from leanlm.bench.compare import disk_bytes
+        from leanlm.compress.quant.kv import Int8KVCache
+        from leanlm.eval.perplexity import score
+
+        reference, ids = self._reference_and_ids()
+        net, tok = load(model_dir, variant.dtype, "cpu", progress=False)
+        ppl, agree = score(net, ids, reference, cache_cls=Int8KVCache if variant.kv_cache == "int8" else None)
+        base_ppl = self._base_perplexity()
+        _, params = formula_weight_bytes(net)
+        result = dict(perplexity=ppl.perplexity, ppl_gap=ppl.perplexity / base_ppl - 1 if base_ppl else 0.0,
+                      kl=max(agree.kl, 0.0), top1=agree.top1, dp=list(agree.dp), dp_rms=agree.dp_rms,
+                      tokens=ppl.tokens, memory_mb=stored_bytes(net) / MB, disk_mb=disk_bytes(model_dir) / MB,
+                      bits_per_weight=stored_bytes(net) * 8 / params)
+        _write_json(path, result)
+        return result
+
+    def _reference_and_ids(self):
+        if self._reference is None:
+            import torch
+
+            from leanlm.api import load
+            from leanlm.eval.datasets import load_text
+
+            self._reference, tok = load(self.source, self.settings.reference_dtype, "cpu", progress=False)
+            self._ids = torch.tensor(tok.encode(load_text(Path(self.settings.data) if self.settings.data else None))
+                                     [: self.settings.eval_tokens])
+        return self._reference, self._ids
+
+    def _base_perplexity(self) -> float:
+        """The original's perplexity on the same tokens (measured once, cached like a quality row)."""
+        s = self.settings
+        path = self.root / "quality" / f"{self._key('base', s.eval_tokens, s.data, s.reference_dtype)}.json"
+        if path.exists():
+            return json.loads(path.read_text())["perplexity"]
+        from leanlm.eval.perplexity import perplexity
+
+        reference, ids = self._reference_and_ids()
+        value = perplexity(reference, ids).perplexity
+        _write_json(path, {"perplexity": value})
+        return value
+
+    def cost(self, variant: Variant, model_dir: Path) -> dict:
+        """Batch-1 TTFT/TPOT, MBU/MFU, peak memory (and throughput) in a fresh process (optimize.speed)."""
+        s = self.settings
+        args = dict(model=str(model_dir), dtype=variant.dtype, kv_cache=variant.kv_cache,
+                    prompt_lookup=variant.prompt_lookup, compiled=s.compiled, threads=s.threads,
+                    prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens, concurrency=s.concurrency)
+        proc = subprocess.run([sys.executable, "-m", "leanlm.optimize.speed", json.dumps(args)], capture_output=True,
+                              text=True)
+        if proc.returncode:
+            raise LeanLMError(f"timing variant {variant.name} failed: {_last_line(proc.stderr)}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {k: r.get(k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "mbu", "mfu", "peak_memory_mb", "threads",
+                                      "throughput", "speedup")}
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def _write_json(path: Path, obj) -> None:
+    """Write atomically, so an interrupted sweep never leaves a half row that a resumed one would trust."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+

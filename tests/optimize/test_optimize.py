@@ -1,0 +1,168 @@
+"""leanlm optimize: the frontier against its definition, budgets, and a whole sweep on a tiny model (resumed)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+
+import pytest
+
+from leanlm.errors import LeanLMError
+from leanlm.optimize.pareto import Budget, frontier, recommend
+from leanlm.optimize.variants import Variant, read_variants
+
+
+def dominated(p, q) -> bool:
+    """q dominates p: no worse in both coordinates, better in one."""
+    return q[0] <= p[0] and q[1] <= p[1] and q != p
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_frontier_is_exactly_the_non_dominated_points(seed):
+    rng = random.Random(seed)
+    points = [(rng.randint(0, 6), rng.randint(0, 6)) for _ in range(rng.randint(1, 25))]  # many ties
+    expected = {i for i, p in enumerate(points) if not any(dominated(p, q) for q in points)}
+    front = frontier(points)
+    assert set(front) == expected and len(front) == len(set(front))
+    assert [points[i][0] for i in front] == sorted(points[i][0] for i in front)
+
+
+def test_budget_parses_terms_and_names_what_a_row_breaks():
+    b = Budget.parse("latency_ms=10, ppl_gap=0.02,memory_mb=200")
+    assert (b.latency_ms, b.ppl_gap, b.memory_mb, b.kl) == (10, 0.02, 200, None) and b.bounds_quality
+    assert Budget.parse("") == Budget() and not Budget.parse("memory_mb=1").bounds_quality
+    row = dict(tpot_ms=12.0, memory_mb=150.0, ppl_gap=0.01, kl=0.1, ttft_ms=50.0)
+    assert b.breaks(row) == ["latency_ms 12 > 10"]
+    assert Budget.parse("pass1=0.5").breaks(row) == ["pass1 not measured < 0.5"]
+    for bad, message in (("speed=3", "one of"), ("kl", "NAME=VALUE"), ("kl=abc", "not a number"), ("kl=-1", "negative")):
+        with pytest.raises(LeanLMError, match=message):
+            Budget.parse(bad)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_recommendation_fits_the_budget_and_is_the_best_that_does(seed):
+    rng = random.Random(seed)
+    rows = [dict(tpot_ms=rng.uniform(5, 20), ttft_ms=rng.uniform(50, 200), memory_mb=rng.uniform(50, 300),
+                 ppl_gap=rng.uniform(0, 0.1), kl=rng.uniform(0, 0.2)) for _ in range(8)]
+    budget = Budget(latency_ms=rng.choice([None, 12.0]), memory_mb=rng.choice([None, 150.0]),
+                    ppl_gap=rng.choice([None, 0.03]))
+    fits = [i for i, r in enumerate(rows) if not budget.breaks(r)]
+    best = recommend(rows, budget)
+    if not fits:
+        assert best is None
+        return
+    assert best in fits
+    measure = "tpot_ms" if budget.bounds_quality else "kl"
+    assert rows[best][measure] == min(rows[i][measure] for i in fits)
+
+
+def test_variants_come_from_yaml_with_clear_errors(tmp_path):
+    assert len(read_variants("quick")) < len(read_variants("default"))
+    f = tmp_path / "v.yaml"
+    f.write_text("- {name: a}\n- name: b\n  steps: [{method: rtn, bits: 8}]\n  kv_cache: int8\n  prompt_lookup: 3\n")
+    a, b = read_variants(f)
+    assert not a.builds_model and b.steps == ({"method": "rtn", "bits": 8},) and b.kv_cache == "int8"
+    assert not b.prunes and Variant("p", ({"method": "wanda", "pattern": "2:4"},)).prunes
+    for text, message in (("- {name: a}\n- {name: a}", "unique"), ("- {name: a, colour: red}", "unknown keys"),
+                          ("[1, 2]", "list of variants"), ("- {name: a, kv_cache: 4}", "kv_cache"),
+                          ("- {name: a, steps: [{method: nope}]}", "nope")):
+        f.write_text(text)
+        with pytest.raises(LeanLMError, match=message):
+            read_variants(f)
+    with pytest.raises(LeanLMError, match="not a file"):
+        read_variants(tmp_path / "missing.yaml")
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """A whole sweep of a tiny model: the original, int8 weights, int8 weights + int8 KV cache + prompt lookup."""
+    from tests.conftest import make_hf_model, make_tokenizer
+
+    from leanlm.optimize.job import optimize
+    from leanlm.optimize.sweep import Settings
+
+    model = tmp_path_factory.mktemp("model")
+    make_hf_model("llama", model, max_position_embeddings=1024)  # prompt lookup's grounded prompts are ~600 tokens
+    make_tokenizer(model)
+    cache, out = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("out") / "run"
+    variants = (Variant("f32", dtype="float32"), Variant("w8", ({"method": "rtn", "bits": 8},), dtype="float32"),
+                Variant("w8 kv8 lookup", ({"method": "rtn", "bits": 8},), dtype="float32", kv_cache="int8",
+                        prompt_lookup=2))
+    settings = Settings(reference_dtype="float32", eval_tokens=600, samples=2, seq_len=64, prompt_tokens=16, new_tokens=8, compiled=False,
+                        threads=1, concurrency=2)
+    args = (str(model), variants, Budget.parse("ppl_gap=0.5"), settings, out)
+    return optimize(*args, cache_root=cache), args, cache
+
+
+def test_a_sweep_measures_every_variant_and_writes_its_outputs(swept):
+    import matplotlib.image
+
+    outcome, (model, variants, budget, settings, out), _ = swept
+    rows = outcome.rows
+    assert [r["name"] for r in rows] == [v.name for v in variants]
+    base, w8, kv8 = rows
+    assert base["kl"] == 0 and base["ppl_gap"] == 0 and base["top1"] == 1 and base["build_s"] == 0
+    assert w8["kl"] > 0 and w8["memory_mb"] < base["memory_mb"] and w8["bits_per_weight"] < 32
+    assert kv8["kl"] != w8["kl"]  # the int8 cache changes what attention sees
+    assert kv8["speedup"] > 0 and w8["speedup"] is None and all(r["throughput"] > 0 for r in rows)
+    assert all(r["tpot_ms"] > 0 and r["ttft_ms"] > 0 and len(r["dp"]) == 7 for r in rows)
+    assert outcome.best is not None and not outcome.best["over_budget"]
+    assert outcome.serve_command.startswith(f"leanlm serve {out / 'recommended'} --compile")
+    assert (out / "recommended" / "config.json").exists()
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["recommended"] == outcome.recommended and len(saved["rows"]) == 3
+    assert all(r["on_frontier"] for r in rows if r is outcome.best)
+    page = (out / "report.html").read_text()
+    assert all(r["name"] in page for r in rows) and "<script>" in page and "http" not in page.split("<script>")[1]
+    image = matplotlib.image.imread(out / "pareto.png")
+    assert image.shape[0] > 300 and image.shape[1] > 600 and image.std() > 0.01
+
+
+def test_a_repeated_sweep_measures_nothing_twice(swept, monkeypatch):
+    from leanlm.optimize import sweep
+    from leanlm.optimize.job import optimize
+
+    outcome, args, cache = swept
+
+    def fail(*_, **__):
+        raise AssertionError("measured twice")
+
+    for name in ("build", "quality", "cost"):
+        monkeypatch.setattr(sweep.Sweep, name, fail)
+    again = optimize(*args, cache_root=cache)
+    assert again.rows == outcome.rows
+
+
+def test_a_report_opens_in_a_headless_browser(swept, tmp_path):
+    """The page draws both plots and the table with no script error (Chromium, when installed)."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on this machine (apt-get install chromium)")
+    outcome = swept[0]
+    page = outcome.output / "report.html"
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1300,1000",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    shot = tmp_path / "shot.png"
+    subprocess.run([*flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120, check=True)
+    dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert 'data-errors=""' in dom and 'data-drawn="1"' in dom
+    drawn = dom.split("<script>")[0]  # the page as the script left it, without the script's own text
+    assert drawn.count("<svg") == 2 and drawn.count("<tr") == len(outcome.rows) + 1
+    assert drawn.count('class="rec"') == 2  # the recommendation ringed in both plots
+    assert shot.stat().st_size > 10_000
+
+
+def test_optimize_cli_refuses_bad_input(tmp_path):
+    from typer.testing import CliRunner
+
+    from leanlm.cli.common import app
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "file").write_text("x")
+    runner = CliRunner()
+    for args, message in ((["--budget", "speed=1"], "one of"), (["--recipes", str(tmp_path / "no.yaml")], "not a file"),
+                          (["-o", str(tmp_path / "other")], "not an optimize output")):
+        result = runner.invoke(app, ["optimize", "x", *args])
+        assert result.exit_code != 0 and message in str(result.exception) + result.output

@@ -32,6 +32,9 @@ def optimize(
     samples: Annotated[Optional[int], typer.Option(help="calibration windows of 512 tokens (default 128, quick 32)")] = None,
     concurrency: Annotated[Optional[int], typer.Option(help="also measure output tokens/s with N requests in the "
                                                             "serving engine at once (default 16, quick 0: off)")] = None,
+    ray: Annotated[Optional[str], typer.Option(help="measure the variants as tasks on this Ray cluster (`local`: a "
+                                                    "new local instance), a node's CPUs each; the nodes must share "
+                                                    "leanlm's cache directory")] = None,
     eager: Annotated[bool, typer.Option(help="time decode eagerly instead of as a compiled step")] = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="directory for report.html, pareto.png, "
                                                                 "results.json and recommended/ (a re-run reuses "
@@ -63,7 +66,7 @@ def optimize(
         task = bar.add_task("optimize", total=len(variants))
         outcome = run(model, variants, limits, settings, output,
                       status=lambda text: bar.update(task, description=text),
-                      on_row=lambda row: bar.advance(task))
+                      on_row=lambda row: bar.advance(task), ray_address=ray)
     out.print(_table(outcome.rows, outcome.recommended))
     if outcome.best is None:
         out.print(f"no variant fits --budget {budget}; see the budget column")

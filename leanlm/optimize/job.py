@@ -42,12 +42,13 @@ def serve_command(row: dict, model_dir: Path) -> str:
 
 
 def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings: Settings, output: Path,
-             status=lambda text: None, on_row=lambda row: None, cache_root: Path | None = None) -> Outcome:
-    """Measure every variant (cached), then write results.json, pareto.png, report.html and the recommended
-    variant's model directory (output/recommended) into `output`."""
+             status=lambda text: None, on_row=lambda row: None, cache_root: Path | None = None,
+             ray_address: str | None = None) -> Outcome:
+    """Measure every variant (cached; on a Ray cluster with `ray_address`), then write results.json, pareto.png,
+    report.html and the recommended variant's model directory (output/recommended) into `output`."""
     start = time.perf_counter()
     sweep = Sweep(model, variants, settings, cache_root, status)
-    rows = [r.to_dict() for r in sweep.run(on_row)]
+    rows = [r.to_dict() for r in sweep.run(on_row, ray_address)]
     base_ppl = next((r["perplexity"] / (1 + r["ppl_gap"]) for r in rows), None)
     for r in rows:
         r["over_budget"] = "; ".join(budget.breaks(r))

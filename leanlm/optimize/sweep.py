@@ -101,15 +101,52 @@ class Sweep:
         self._reference = None
         self._ids = None
 
-    def run(self, on_row=lambda row: None) -> list[Measured]:
-        rows = []
+    def run(self, on_row=lambda row: None, ray_address: str | None = None) -> list[Measured]:
+        """Every variant's row, in order; with `ray_address` ("local": a new local instance) the variants not
+        measured yet run as Ray tasks, one per node's worth of CPUs, so that two never share cores while timed.
+        The nodes must see this cache directory (one machine, or a shared file system)."""
+        if ray_address is None:
+            rows = []
+            for variant in self.variants:
+                rows.append(self.measure(variant))
+                on_row(rows[-1])
+            return rows
+        return self._run_on_ray(on_row, ray_address)
+
+    def _run_on_ray(self, on_row, address: str) -> list[Measured]:
+        try:
+            import ray
+        except ImportError:
+            raise LeanLMError("--ray needs Ray: pip install 'leanlm[ray]'") from None
+        from leanlm.runtime import cpu_count
+
+        if not ray.is_initialized():
+            if address == "local":  # on loopback only
+                ray.init(address="local", include_dashboard=False, num_cpus=cpu_count(), _node_ip_address="127.0.0.1")
+            else:
+                ray.init(address=address)
+        task = ray.remote(num_cpus=self.settings.threads or cpu_count())(_measure_on_worker)
+        done = {}
+        pending = {}
         for variant in self.variants:
-            rows.append(self.measure(variant))
-            on_row(rows[-1])
-        return rows
+            if self._row_path(variant).exists():
+                done[variant.name] = self.measure(variant)
+                on_row(done[variant.name])
+            else:
+                ref = task.remote(str(self.source), variant.to_dict(), asdict(self.settings), str(self.root.parent))
+                pending[ref] = variant.name
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            name = pending.pop(ready[0])
+            done[name] = Measured(**ray.get(ready[0]))
+            on_row(done[name])
+        return [done[v.name] for v in self.variants]
+
+    def _row_path(self, variant: Variant) -> Path:
+        return self.root / "rows" / f"{self._key('row', variant.to_dict(), asdict(self.settings))}.json"
 
     def measure(self, variant: Variant) -> Measured:
-        path = self.root / "rows" / f"{self._key('row', variant.to_dict(), asdict(self.settings))}.json"
+        path = self._row_path(variant)
         if path.exists():
             return Measured(**json.loads(path.read_text()))
         model_dir, build_s = self.build(variant)
@@ -220,6 +257,12 @@ class Sweep:
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         return {k: r.get(k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "mbu", "mfu", "peak_memory_mb", "threads",
                                       "throughput", "speedup")}
+
+
+def _measure_on_worker(source: str, variant: dict, settings: dict, root: str) -> dict:
+    """A Ray task: one variant measured on the node it lands on, into the shared cache."""
+    v = Variant(**{**variant, "steps": tuple(variant["steps"])})
+    return Sweep(source, (v,), Settings(**settings), Path(root)).measure(v).to_dict()
 
 
 def _last_line(text: str) -> str:

@@ -166,3 +166,23 @@ def test_optimize_cli_refuses_bad_input(tmp_path):
                           (["-o", str(tmp_path / "other")], "not an optimize output")):
         result = runner.invoke(app, ["optimize", "x", *args])
         assert result.exit_code != 0 and message in str(result.exception) + result.output
+
+
+def test_a_sweep_fans_out_over_a_local_ray_instance(swept, tmp_path):
+    """The same variants as Ray tasks (a local instance on loopback) give the same quality rows, cached alike."""
+    pytest.importorskip("ray")
+    import ray
+
+    from leanlm.optimize.sweep import Sweep
+
+    outcome, (model, variants, budget, settings, out), _ = swept
+    sweep = Sweep(model, variants[:2], settings, tmp_path)
+    try:
+        rows = sweep.run(ray_address="local")
+    finally:
+        ray.shutdown()
+    for ours, theirs in zip(rows, outcome.rows):
+        assert ours.name == theirs["name"] and ours.perplexity == pytest.approx(theirs["perplexity"], rel=1e-5)
+        assert ours.kl == pytest.approx(theirs["kl"], rel=1e-3, abs=1e-9)  # another thread count: other roundings
+        assert ours.tpot_ms > 0
+    assert len(list((sweep.root / "rows").glob("*.json"))) == 2

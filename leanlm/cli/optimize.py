@@ -32,6 +32,8 @@ def optimize(
     samples: Annotated[Optional[int], typer.Option(help="calibration windows of 512 tokens (default 128, quick 32)")] = None,
     concurrency: Annotated[Optional[int], typer.Option(help="also measure output tokens/s with N requests in the "
                                                             "serving engine at once (default 16, quick 0: off)")] = None,
+    humaneval: Annotated[int, typer.Option(help="code models: HumanEval pass@1 on the first N problems (164: all), "
+                                               "each completion run sandboxed; 0: off")] = 0,
     ray: Annotated[Optional[str], typer.Option(help="measure the variants as tasks on this Ray cluster (`local`: a "
                                                     "new local instance), a node's CPUs each; the nodes must share "
                                                     "leanlm's cache directory")] = None,
@@ -57,11 +59,13 @@ def optimize(
     for name, value in (("eval-tokens", eval_tokens), ("samples", samples)):
         if value is not None and value < 1:
             raise LeanLMError(f"--{name} must be at least 1")
+    if humaneval < 0 or (concurrency or 0) < 0:
+        raise LeanLMError("--humaneval and --concurrency must not be negative")
     if output.exists() and not (output / "results.json").exists() and any(output.iterdir()):
         raise LeanLMError(f"{output} exists and is not an optimize output; choose a new directory")
     settings = Settings(eval_tokens=eval_tokens or (4096 if quick else 16384), data=str(data) if data else None,
                         samples=samples or (32 if quick else 128), compiled=not eager, threads=threads,
-                        concurrency=(0 if quick else 16) if concurrency is None else concurrency)
+                        concurrency=(0 if quick else 16) if concurrency is None else concurrency, humaneval=humaneval)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("optimize", total=len(variants))
         outcome = run(model, variants, limits, settings, output,
@@ -78,13 +82,16 @@ def optimize(
 
 def _table(rows: list[dict], recommended: int | None) -> Table:
     table = Table(title="variants (quality on held-out text; cost at batch 1)")
-    for col in ("variant", "ppl", "gap", "KL", "top-1", "TPOT ms", "TTFT ms", "tok/s", "weights MB", "frontier",
-                "budget"):
+    extra = [(key, title) for key, title in (("throughput", "tok/s at N"), ("pass1", "pass@1"))
+             if any(r.get(key) is not None for r in rows)]
+    for col in ("variant", "ppl", "gap", "KL", "top-1", "TPOT ms", "TTFT ms", "tok/s", *(t for _, t in extra),
+                "weights MB", "frontier", "budget"):
         table.add_column(col, justify="left" if col in ("variant", "frontier", "budget") else "right")
     for i, r in enumerate(rows):
         name = r["name"] + (" *" if i == recommended else "")
         table.add_row(name, f"{r['perplexity']:.3f}", f"{r['ppl_gap']:+.2%}", f"{r['kl']:.4f}", f"{r['top1']:.1%}",
                       f"{r['tpot_ms']:.2f}", f"{r['ttft_ms']:.0f}", f"{r['tokens_per_s']:.0f}",
+                      *("–" if r.get(k) is None else f"{r[k]:.0f}" if k == "throughput" else f"{r[k]:.1%}" for k, _ in extra),
                       f"{r['memory_mb']:.0f}", ", ".join(a.removesuffix("_ms").removesuffix("_mb") for a in r["on_frontier"]),
                       r["over_budget"] or "fits")
     return table

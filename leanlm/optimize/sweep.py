@@ -38,6 +38,7 @@ class Settings:
     compiled: bool = True  # batch-1 decode as a torch.compile'd step, as `leanlm serve --compile` runs it
     threads: int | None = None
     concurrency: int = 0  # requests in the serving engine at once for the throughput column (0: not measured)
+    humaneval: int = 0  # HumanEval problems for pass@1 (code models; 0: not measured)
 
 
 @dataclass
@@ -197,7 +198,7 @@ class Sweep:
         """Perplexity, KL, top-1 and dp against the original (in reference_dtype) on the evaluation text, and the
         variant's size in memory."""
         s = self.settings
-        path = self.root / "quality" / f"{self._key(str(model_dir), variant.dtype, variant.kv_cache, s.eval_tokens, s.data, s.reference_dtype)}.json"
+        path = self.root / "quality" / f"{self._key(str(model_dir), variant.dtype, variant.kv_cache, s.eval_tokens, s.data, s.reference_dtype, s.humaneval)}.json"
         if path.exists():
             return json.loads(path.read_text())
         self.status(f"{variant.name}: quality")
@@ -216,8 +217,19 @@ class Sweep:
                       kl=max(agree.kl, 0.0), top1=agree.top1, dp=list(agree.dp), dp_rms=agree.dp_rms,
                       tokens=ppl.tokens, memory_mb=stored_bytes(net) / MB, disk_mb=disk_bytes(model_dir) / MB,
                       bits_per_weight=stored_bytes(net) * 8 / params)
+        if s.humaneval:
+            result["pass1"] = self._pass1(variant, net, tok)
         _write_json(path, result)
         return result
+
+    def _pass1(self, variant: Variant, net, tok) -> float:
+        """HumanEval pass@1 of greedy completions (the engine, the variant's KV cache), each run sandboxed."""
+        from leanlm.eval.humaneval import evaluate, generate_completions, load_problems
+
+        self.status(f"{variant.name}: HumanEval")
+        problems = load_problems(self.settings.humaneval)
+        completions = generate_completions(net, tok, problems, kv_cache_dtype="int8" if variant.kv_cache == "int8" else "auto")
+        return evaluate(completions, problems).pass_at[1]
 
     def _reference_and_ids(self):
         if self._reference is None:

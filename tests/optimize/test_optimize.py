@@ -186,3 +186,29 @@ def test_a_sweep_fans_out_over_a_local_ray_instance(swept, tmp_path):
         assert ours.kl == pytest.approx(theirs["kl"], rel=1e-3, abs=1e-9)  # another thread count: other roundings
         assert ours.tpot_ms > 0
     assert len(list((sweep.root / "rows").glob("*.json"))) == 2
+
+
+def test_optimize_cli_prints_the_table_and_the_serve_command(tmp_path):
+    import os
+    import sys
+
+    from tests.conftest import make_hf_model, make_tokenizer
+
+    from leanlm.fetch import cache_dir
+
+    model = tmp_path / "model"
+    make_hf_model("llama", model)
+    make_tokenizer(model)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if (cache_dir() / "probe.json").exists():  # the machine's peaks, measured once already: no second probe
+        shutil.copy(cache_dir() / "probe.json", cache / "probe.json")
+    (tmp_path / "v.yaml").write_text("- {name: f32, dtype: float32}\n")
+    cmd = [sys.executable, "-m", "leanlm.cli", "optimize", str(model), "--recipes", str(tmp_path / "v.yaml"), "--eager",
+           "--eval-tokens", "300", "--concurrency", "0", "--threads", "1", "--budget", "memory_mb=100",
+           "-o", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LEANLM_CACHE": str(cache)},
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "f32 *" in proc.stdout and f"leanlm serve {tmp_path / 'out' / 'recommended'} --compile --dtype float32" in proc.stdout
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["recommended"] == 0

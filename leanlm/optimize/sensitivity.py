@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from leanlm.analysis.memory import stored_bytes
@@ -127,48 +128,41 @@ class Sensitivity:
         return sum(u.params for u in self.units)
 
 
-def _windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
-    """Disjoint windows of `window` tokens (the tail that fills none is dropped; a short stream is one window)."""
+def _windows(ids: torch.Tensor, window: int) -> torch.Tensor:
+    """Disjoint windows of `window` tokens as one batch (a tail that fills none is dropped)  # [N] -> [B, window]"""
     if ids.dim() != 1 or len(ids) < 2:
         raise LeanLMError(f"sensitivity needs a token stream of at least 2 tokens, got shape {tuple(ids.shape)}")
-    n = max(1, len(ids) // window)
-    return [ids[i * window:(i + 1) * window] if len(ids) >= window else ids for i in range(n)]
+    window = min(window, len(ids))
+    return ids[:len(ids) // window * window].view(-1, window)
 
 
 class _Suffix:
-    """The float model's layer inputs and output distribution on each window, so that a change to layer i is measured
-    by running layers i.. only: the inputs to earlier layers do not change."""
+    """The float model's layer inputs and output distribution on a batch of windows, so that a change to layer i is
+    measured by running layers i.. only: the inputs to the layers before it do not change."""
 
-    def __init__(self, model, windows: list[torch.Tensor]):
+    def __init__(self, model, windows: torch.Tensor):  # [B, T]
         self.model = model
-        self.inputs, self.logp, self.top = [], [], []
-        for w in windows:
-            positions = torch.arange(len(w), device=model.device)[None]
-            cos, sin = model.rope(positions)
-            x = model.embed_tokens(w.to(model.device)[None])
-            xs = []
-            for block in model.layers:
-                xs.append(x)
-                x = block(x, cos, sin, None, None, len(w) > 1)
-            logp = model.logits(x)[0].float().log_softmax(-1)  # [T, V]
-            self.inputs.append((xs, cos, sin))
-            self.logp.append(logp)
-            self.top.append(logp.argmax(-1))
+        B, T = windows.shape
+        self.cos, self.sin = model.rope(torch.arange(T, device=model.device)[None])
+        x = model.embed_tokens(windows.to(model.device))
+        self.inputs = []  # [B, T, hidden] entering each layer
+        for block in model.layers:
+            self.inputs.append(x)
+            x = block(x, self.cos, self.sin, None, None, T > 1)
+        self.logp = model.logits(x).float().log_softmax(-1)  # [B, T, V]
+        self.top = self.logp.argmax(-1)  # [B, T]
 
     def compare(self, layer: int) -> tuple[float, float, int]:
         """(mean KL(float || model), top-1 agreement, positions) with the model as it is now, changed at `layer`
         and after it only."""
-        kl, same, count = 0.0, 0, 0
-        for (xs, cos, sin), logp, top in zip(self.inputs, self.logp, self.top):
-            x = xs[layer]
-            for block in self.model.layers[layer:]:
-                x = block(x, cos, sin, None, None, x.shape[1] > 1)
-            logq = self.model.logits(x)[0].float().log_softmax(-1)
-            # per position, not as sum p log p - sum p log q: two large sums would cancel to float32 noise
-            kl += (logp.exp() * (logp - logq)).sum(dtype=torch.float64).item()
-            same += (logq.argmax(-1) == top).sum().item()
-            count += len(top)
-        return max(kl, 0.0) / count, same / count, count
+        x = self.inputs[layer]
+        for block in self.model.layers[layer:]:
+            x = block(x, self.cos, self.sin, None, None, x.shape[1] > 1)
+        logq = self.model.logits(x).float().log_softmax(-1)
+        # summed term by term, not as sum p log p - sum p log q: two large sums would cancel to float32 noise
+        kl = F.kl_div(logq, self.logp, reduction="sum", log_target=True).item()
+        same = (logq.argmax(-1) == self.top).sum().item()
+        return max(kl, 0.0) / self.top.numel(), same / self.top.numel(), self.top.numel()
 
 
 @torch.inference_mode()
@@ -177,7 +171,7 @@ def layer_sensitivity(model, ids: torch.Tensor, options: Sequence = DEFAULT_OPTI
                       progress: Callable[[str, str], None] | None = None) -> Sensitivity:
     """For each decoder projection (`units`: names, default all) and each option (Quantize, Prune), change that
     projection alone, measure KL(float || model) and top-1 agreement on ids [N] in disjoint windows of `window`
-    tokens, and put the float projection back (the same module object: the model is restored exactly).
+    tokens (run as one batch), and put the float projection back (the same module object: the model is restored exactly).
     Bytes are those of the real module stored (int4 group scales and zeros included)."""
     linears = dict(decoder_linears(model))
     names = list(linears) if units is None else list(units)
@@ -289,6 +283,15 @@ def mixed_config(assignment: dict[str, str], act_bits: int = 16) -> RTN:
             layers[name] = o.bits if o.bits == 8 or o.group_size == default.group_size else \
                 {"bits": 4, "group_size": o.group_size}
     return RTN(default.bits, default.group_size, act_bits, layers or None)
+
+
+def mixed_recipe(assignment: dict[str, str], act_bits: int = 16) -> str:
+    """The assignment as a `leanlm quantize --recipe` file (YAML: one rtn step with per-projection `layers`)."""
+    import yaml
+
+    from leanlm.compress.registry import recipe_steps
+
+    return yaml.safe_dump(recipe_steps([mixed_config(assignment, act_bits)]), sort_keys=False)
 
 
 def sensitivity_chart(result: Sensitivity, path: str | Path, title: str = "") -> None:

@@ -10,12 +10,13 @@ import torch
 
 from leanlm.compress.quant import format as qformat
 from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
-from leanlm.compress.registry import apply, decoder_linears
+from leanlm.compress.registry import apply, decoder_linears, read_recipe
 from leanlm.errors import LeanLMError
 from leanlm.models.layers import Linear
 from leanlm.models.loading import load_model
 from leanlm.optimize.sensitivity import (Prune, Quantize, Sensitivity, assign_bits, assignment_bytes, layer_sensitivity,
-                                         mixed_assignment, mixed_config, parse_option, predicted_kl, sensitivity_chart)
+                                         mixed_assignment, mixed_config, mixed_recipe, parse_option, predicted_kl,
+                                         sensitivity_chart)
 from tests.conftest import make_hf_model
 
 IDS = torch.randint(3, 128, (96,), generator=torch.Generator().manual_seed(0))
@@ -151,6 +152,9 @@ def test_mixed_config_applies_per_layer_bits_and_survives_save_and_load(tiny_mod
     check(again)
     tokens, positions = IDS[None, :20], torch.arange(20)[None]
     assert torch.equal(model(tokens, positions), again(tokens, positions))
+    recipe = tmp_path / "mixed.yaml"  # the same assignment as a file for `leanlm quantize --recipe`
+    recipe.write_text(mixed_recipe(assignment))
+    assert read_recipe(recipe) == [config]
 
 
 def test_options_parse_and_refuse():

@@ -107,7 +107,8 @@ def main() -> None:
               f"{time.time() - t:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sensitivity.json").write_text(json.dumps(result.to_dict(), indent=1))
-    sensitivity_chart(result, args.out / "sensitivity.png", f"{args.model}: KL when one projection alone is RTN-quantized")
+    sensitivity_chart(result, args.out / "sensitivity.png",
+                      f"{args.model}: KL when one projection alone is quantized (or pruned)")
     err.print(f"wrote {args.out}/sensitivity.json and sensitivity.png")
     top = sorted(result.units, key=lambda u: -u.kl[options[0]])[:6]
     err.print("most sensitive at " + options[0] + ": " + ", ".join(f"{u.name} {u.kl[options[0]]:.4f}" for u in top))

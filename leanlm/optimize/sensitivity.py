@@ -171,7 +171,8 @@ def layer_sensitivity(model, ids: torch.Tensor, options: Sequence = DEFAULT_OPTI
                       progress: Callable[[str, str], None] | None = None) -> Sensitivity:
     """For each decoder projection (`units`: names, default all) and each option (Quantize, Prune), change that
     projection alone, measure KL(float || model) and top-1 agreement on ids [N] in disjoint windows of `window`
-    tokens (run as one batch), and put the float projection back (the same module object: the model is restored exactly).
+    tokens (run as one batch), and put the float projection back (the same module object: the model is restored
+    exactly).
     Bytes are those of the real module stored (int4 group scales and zeros included)."""
     linears = dict(decoder_linears(model))
     names = list(linears) if units is None else list(units)

@@ -47,8 +47,9 @@ def test_quantized_output_stays_close_to_float(tmp_path):
     assert errors[8] < 0.02 and errors[8] < errors[4] < 0.3
 
 
-@pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=4, act_bits=8), dict(bits=4, group_size=48), dict(act_bits=4),
-                                    dict(layers={"x": 5}), dict(layers=["x"]), dict(act_bits=8, layers={"x": 4}),
+@pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=4, act_bits=8), dict(bits=4, group_size=48),
+                                    dict(act_bits=4), dict(layers={"x": 5}), dict(layers=["x"]),
+                                    dict(act_bits=8, layers={"x": 4}), dict(layers={1: 8}),
                                     dict(layers={"x": {"bits": 4, "group_size": 48}}),
                                     dict(layers={"x": {"bits": 8, "group_size": 32}}), dict(layers={"x": {"b": 4}})])
 def test_bad_options(kwargs):
@@ -173,10 +174,11 @@ def test_per_layer_bits_last_matching_pattern_wins(tmp_path):
     records = apply(model, config)
     kinds = {name: (type(m).__name__, getattr(m, "group_size", None)) for name, m in model.named_modules()
              if isinstance(m, (Linear, W4A16Linear, W8A16Linear)) and name.startswith("layers.")}
-    assert kinds == {"layers.0.self_attn.qkv_proj": ("W4A16Linear", 32), "layers.0.self_attn.o_proj": ("Linear", None),
-                     "layers.0.mlp.gate_up_proj": ("W8A16Linear", None), "layers.0.mlp.down_proj": ("W8A16Linear", None),
-                     "layers.1.self_attn.qkv_proj": ("W4A16Linear", 32), "layers.1.self_attn.o_proj": ("W4A16Linear", 32),
-                     "layers.1.mlp.gate_up_proj": ("W8A16Linear", None), "layers.1.mlp.down_proj": ("W4A16Linear", 32)}
+    w4, w8 = ("W4A16Linear", 32), ("W8A16Linear", None)
+    assert kinds == {"layers.0.self_attn.qkv_proj": w4, "layers.0.self_attn.o_proj": ("Linear", None),
+                     "layers.0.mlp.gate_up_proj": w8, "layers.0.mlp.down_proj": w8,
+                     "layers.1.self_attn.qkv_proj": w4, "layers.1.self_attn.o_proj": w4,
+                     "layers.1.mlp.gate_up_proj": w8, "layers.1.mlp.down_proj": w4}
     assert "layers.0.self_attn.o_proj" not in records and len(records) == 7
     with pytest.raises(LeanLMError, match="'layers.9.\\*' match no decoder projection"):
         apply(load_model(tmp_path / "src", torch.bfloat16), RTN(4, 32, layers={"layers.9.*": 8}))

@@ -43,7 +43,8 @@ class RTN:
         if self.act_bits not in (8, 16):
             raise LeanLMError(f"--act-bits must be 8 or 16, got {self.act_bits}")
         self._check_pair(self.bits, self.group_size)
-        if self.layers is not None and not (isinstance(self.layers, dict) and all(isinstance(p, str) for p in self.layers)):
+        if self.layers is not None and not (isinstance(self.layers, dict) and all(isinstance(p, str) for p in
+                                                                                  self.layers)):
             raise LeanLMError(f"rtn layers must map projection names (or globs) to bits, got {self.layers!r}")
         for pattern, value in (self.layers or {}).items():
             self._check_pair(*self._parse(pattern, value), where=f"rtn layers[{pattern!r}]: ")

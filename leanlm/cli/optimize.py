@@ -24,12 +24,14 @@ def optimize(
     recipes: Annotated[str, typer.Option(help="variants to sweep: default, quick, or a YAML file listing {name, "
                                               "steps: [quantize/prune recipe steps], dtype, kv_cache: 16|int8, "
                                               "prompt_lookup: N}")] = "default",
-    quick: Annotated[bool, typer.Option(help="the quick sweep (8 variants, 4096 evaluation tokens, 32 calibration "
-                                             "windows): about 10 minutes on 2 cores")] = False,
+    quick: Annotated[bool, typer.Option(help="the quick sweep: 6 variants, 4096 evaluation tokens, 16 calibration "
+                                             "windows of 256 tokens, decode compiled with a Python launcher; about 10 "
+                                             "minutes on 2 cores")] = False,
     data: Annotated[Optional[Path], typer.Option(help="evaluation and calibration text (default: the built-in "
                                                       "splits)")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option(help="evaluation tokens (default 16384, quick 4096)")] = None,
-    samples: Annotated[Optional[int], typer.Option(help="calibration windows of 512 tokens (default 128, quick 32)")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="calibration windows (default 128 of 512 tokens, quick 16 of "
+                                                        "256)")] = None,
     concurrency: Annotated[Optional[int], typer.Option(help="also measure output tokens/s with N requests in the "
                                                             "serving engine at once (default 16, quick 0: off)")] = None,
     humaneval: Annotated[int, typer.Option(help="code models: HumanEval pass@1 on the first N problems (164: all), "
@@ -64,7 +66,8 @@ def optimize(
     if output.exists() and not (output / "results.json").exists() and any(output.iterdir()):
         raise LeanLMError(f"{output} exists and is not an optimize output; choose a new directory")
     settings = Settings(eval_tokens=eval_tokens or (4096 if quick else 16384), data=str(data) if data else None,
-                        samples=samples or (32 if quick else 128), compiled=not eager, threads=threads,
+                        samples=samples or (16 if quick else 128), seq_len=256 if quick else 512, compiled=not eager,
+                        cpp_wrapper=not quick, threads=threads,
                         concurrency=(0 if quick else 16) if concurrency is None else concurrency, humaneval=humaneval)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("optimize", total=len(variants))

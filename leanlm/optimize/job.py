@@ -72,9 +72,13 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
         "recommended: none; every variant breaks the budget (see the budget column)",
         f"quality on {rows[0]['tokens']} tokens of {'the built-in evaluation text' if not settings.data else settings.data}; "
         f"cost at batch 1: a {settings.prompt_tokens}-token prompt, {settings.new_tokens} new tokens"
-        + (", compiled decode" if settings.compiled else ", eager decode")
+        + ((", compiled decode" + ("" if settings.cpp_wrapper else " (Python launcher)")) if settings.compiled
+           else ", eager decode")
         + (f"; throughput with {settings.concurrency} requests at once" if settings.concurrency else ""),
     ]
+    if any(r.get("speedup") for r in rows):
+        summary.append("prompt lookup's TPOT is the plain TPOT divided by its speedup measured on input-grounded prompts "
+                       "(summaries, extraction, edits); on free-form text it gains less, often nothing")
     ppl_limit = base_ppl * (1 + budget.ppl_gap) if budget.ppl_gap is not None and base_ppl else None
     write_png(rows, fronts, best, output / "pareto.png", title, ppl_limit)
     write_html(rows, fronts, best, output / "report.html", title, summary)

@@ -36,6 +36,7 @@ class Settings:
     prompt_tokens: int = 128  # batch-1 timing: prompt length (TTFT) and decoded tokens (TPOT)
     new_tokens: int = 64
     compiled: bool = True  # batch-1 decode as a torch.compile'd step, as `leanlm serve --compile` runs it
+    cpp_wrapper: bool = True  # that step's launcher in C++ (as served); Python's compiles in half the time
     threads: int | None = None
     concurrency: int = 0  # requests in the serving engine at once for the throughput column (0: not measured)
     humaneval: int = 0  # HumanEval problems for pass@1 (code models; 0: not measured)
@@ -260,7 +261,7 @@ class Sweep:
         """Batch-1 TTFT/TPOT, MBU/MFU, peak memory (and throughput) in a fresh process (optimize.speed)."""
         s = self.settings
         args = dict(model=str(model_dir), dtype=variant.dtype, kv_cache=variant.kv_cache,
-                    prompt_lookup=variant.prompt_lookup, compiled=s.compiled, threads=s.threads,
+                    prompt_lookup=variant.prompt_lookup, compiled=s.compiled, cpp_wrapper=s.cpp_wrapper, threads=s.threads,
                     prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens, concurrency=s.concurrency)
         proc = subprocess.run([sys.executable, "-m", "leanlm.optimize.speed", json.dumps(args)], capture_output=True,
                               text=True)

@@ -69,9 +69,7 @@ def _w4(method_name: str) -> tuple[dict, ...]:
 
 QUICK = (
     Variant("bf16"),
-    Variant("w8", (W8,), notes="RTN int8 per channel, 16-bit lm_head"),
     Variant("w8+head8", (W8, HEAD8_G), notes="RTN int8 per channel, int8 lm_head"),
-    Variant("w8+head8 kv8", (W8, HEAD8_G), kv_cache="int8"),
     Variant("w8+head8 lookup", (W8, HEAD8_G), prompt_lookup=3, notes="prompt lookup: speed on input-grounded prompts"),
     Variant("w8a8 smooth", ({"method": "smooth"}, {"method": "rtn", "bits": 8, "act_bits": 8}),
             notes="SmoothQuant, then int8 weights and per-token int8 activations"),
@@ -81,6 +79,8 @@ QUICK = (
 
 DEFAULT = (
     *QUICK,
+    Variant("w8", (W8,), notes="RTN int8 per channel, 16-bit lm_head"),
+    Variant("w8+head8 kv8", (W8, HEAD8_G), kv_cache="int8"),
     Variant("fp16", dtype="float16"),
     Variant("w4 awq g128+head8", _w4("awq")),
     Variant("w4 gptq g32+head8", ({"method": "gptq", "bits": 4, "group_size": 32}, HEAD8_G)),

@@ -34,6 +34,9 @@ def optimize(
                                                         "256)")] = None,
     concurrency: Annotated[Optional[int], typer.Option(help="also measure output tokens/s with N requests in the "
                                                             "serving engine at once (default 16, quick 0: off)")] = None,
+    mixed: Annotated[Optional[bool], typer.Option("--mixed/--no-mixed", help="measure each projection's sensitivity "
+                                                   "(sensitivity.png) and sweep a knapsack 4/8-bit mix against "
+                                                   "uniform w4 g32 at its size (default: on, off with --quick)")] = None,
     humaneval: Annotated[int, typer.Option(help="code models: HumanEval pass@1 on the first N problems (164: all), "
                                                "each completion run sandboxed; 0: off")] = 0,
     ray: Annotated[Optional[str], typer.Option(help="measure the variants as tasks on this Ray cluster (`local`: a "
@@ -69,11 +72,13 @@ def optimize(
                         samples=samples or (16 if quick else 128), seq_len=256 if quick else 512, compiled=not eager,
                         cpp_wrapper=not quick, threads=threads,
                         concurrency=(0 if quick else 16) if concurrency is None else concurrency, humaneval=humaneval)
+    mixed = not quick if mixed is None else mixed
     with Progress(console=err, transient=True) as bar:
-        task = bar.add_task("optimize", total=len(variants))
+        task = bar.add_task("optimize", total=len(variants) + 2 * mixed)
         outcome = run(model, variants, limits, settings, output,
                       status=lambda text: bar.update(task, description=text),
-                      on_row=lambda row: bar.advance(task), ray_address=ray)
+                      on_row=lambda row: bar.advance(task), ray_address=ray,
+                      mixed=mixed)
     out.print(_table(outcome.rows, outcome.recommended))
     if outcome.best is None:
         out.print(f"no variant fits --budget {budget}; see the budget column")

@@ -43,11 +43,24 @@ def serve_command(row: dict, model_dir: Path) -> str:
 
 def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings: Settings, output: Path,
              status=lambda text: None, on_row=lambda row: None, cache_root: Path | None = None,
-             ray_address: str | None = None) -> Outcome:
+             ray_address: str | None = None, mixed: bool = False) -> Outcome:
     """Measure every variant (cached; on a Ray cluster with `ray_address`), then write results.json, pareto.png,
-    report.html and the recommended variant's model directory (output/recommended) into `output`."""
+    report.html and the recommended variant's model directory (output/recommended) into `output`. With `mixed`,
+    first the per-projection sensitivity (sensitivity.png), and two more variants: uniform w4 g32 and the knapsack's
+    4/8-bit mix at its size (optimize.mixed)."""
     start = time.perf_counter()
     sweep = Sweep(model, variants, settings, cache_root, status)
+    output.mkdir(parents=True, exist_ok=True)
+    images = ["pareto.png"]
+    if mixed:
+        from leanlm.optimize import mixed as mix
+        from leanlm.optimize.sensitivity import sensitivity_chart
+
+        result = mix.sensitivity(sweep.source, sweep.root, status=status)
+        sensitivity_chart(result, output / "sensitivity.png", f"{model}: KL when one projection alone is quantized "
+                                                              f"({result.tokens} calibration tokens)")
+        images.append("sensitivity.png")
+        sweep.variants = (*variants, *mix.variants(result))
     rows = [r.to_dict() for r in sweep.run(on_row, ray_address)]
     base_ppl = next((r["perplexity"] / (1 + r["ppl_gap"]) for r in rows), None)
     for r in rows:
@@ -56,7 +69,6 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
     for i, r in enumerate(rows):
         r["on_frontier"] = [axis for axis, front in fronts.items() if i in front]
     best = recommend(rows, budget)
-    output.mkdir(parents=True, exist_ok=True)
     command = None
     target = output / "recommended"
     if target.exists():
@@ -81,7 +93,7 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
                        "(summaries, extraction, edits); on free-form text it gains less, often nothing")
     ppl_limit = base_ppl * (1 + budget.ppl_gap) if budget.ppl_gap is not None and base_ppl else None
     write_png(rows, fronts, best, output / "pareto.png", title, ppl_limit)
-    write_html(rows, fronts, best, output / "report.html", title, summary)
+    write_html(rows, fronts, best, output / "report.html", title, summary, images)
     (output / "results.json").write_text(json.dumps({
         "model": model, "budget": asdict(budget), "settings": asdict(settings), "recommended": best,
         "serve_command": command, "frontier": fronts, "rows": rows, "seconds": time.perf_counter() - start,

@@ -49,11 +49,14 @@ def write_png(rows: list[dict], fronts: dict[str, list[int]], recommended: int |
 
 
 def write_html(rows: list[dict], fronts: dict[str, list[int]], recommended: int | None, path: Path, title: str,
-               summary: list[str]) -> None:
-    """report.html: both plots (pick the quality measure on Y), the recommendation, every row's numbers."""
+               summary: list[str], images: list[str] = ()) -> None:
+    """report.html: both plots (pick the quality measure on Y), the recommendation, every row's numbers, and the
+    PNGs next to it (`images`, file names in the same folder)."""
     data = json.dumps({"rows": rows, "recommended": recommended, "axes": AXES})
     notes = "".join(f"<li>{html.escape(line)}</li>" for line in summary)
-    page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__NOTES__", notes)
+    figures = "".join(f'<p><img src="{html.escape(name)}" alt="{html.escape(name)}" style="max-width:100%"></p>'
+                      for name in images)
+    page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__NOTES__", notes).replace("__IMAGES__", figures)
     path.write_text(page.replace("__DATA__", data.replace("</", "<\\/")))
 
 
@@ -74,6 +77,7 @@ th{cursor:pointer;background:#f6f8fa}td:first-child,th:first-child{text-align:le
 <option value="disagree">top-1 disagreement</option></select></label>
 <div class="plots" id="plots"></div><div id="tip"></div>
 <table id="rows"></table>
+__IMAGES__
 <script>
 window.onerror = message => { document.body.dataset.errors += message + ";"; };
 const D = __DATA__;

@@ -93,7 +93,7 @@ def swept(tmp_path_factory):
     settings = Settings(reference_dtype="float32", eval_tokens=600, samples=2, seq_len=64, prompt_tokens=16, new_tokens=8, compiled=False,
                         threads=1, concurrency=2)
     args = (str(model), variants, Budget.parse("ppl_gap=0.5"), settings, out)
-    return optimize(*args, cache_root=cache), args, cache
+    return optimize(*args, cache_root=cache, mixed=True), args, cache
 
 
 def test_a_sweep_measures_every_variant_and_writes_its_outputs(swept):
@@ -101,8 +101,11 @@ def test_a_sweep_measures_every_variant_and_writes_its_outputs(swept):
 
     outcome, (model, variants, budget, settings, out), _ = swept
     rows = outcome.rows
-    assert [r["name"] for r in rows] == [v.name for v in variants]
-    base, w8, kv8 = rows
+    assert [r["name"] for r in rows] == [v.name for v in variants] + ["w4 rtn g32+head8", "mixed 4/8 rtn+head8"]
+    base, w8, kv8, w4, mixed = rows
+    assert mixed["memory_mb"] <= w4["memory_mb"] and "knapsack" in mixed["variant"]["notes"]
+    assert (out / "sensitivity.png").exists() and 'src="sensitivity.png"' in (out / "report.html").read_text()
+    rows = rows[:3]
     assert base["kl"] == 0 and base["ppl_gap"] == 0 and base["top1"] == 1 and base["build_s"] == 0
     assert w8["kl"] > 0 and w8["memory_mb"] < base["memory_mb"] and w8["bits_per_weight"] < 32
     assert kv8["kl"] != w8["kl"]  # the int8 cache changes what attention sees
@@ -112,7 +115,7 @@ def test_a_sweep_measures_every_variant_and_writes_its_outputs(swept):
     assert outcome.serve_command.startswith(f"leanlm serve {out / 'recommended'} --compile")
     assert (out / "recommended" / "config.json").exists()
     saved = json.loads((out / "results.json").read_text())
-    assert saved["recommended"] == outcome.recommended and len(saved["rows"]) == 3
+    assert saved["recommended"] == outcome.recommended and len(saved["rows"]) == 5
     assert all(r["on_frontier"] for r in rows if r is outcome.best)
     page = (out / "report.html").read_text()
     assert all(r["name"] in page for r in rows) and "<script>" in page and "http" not in page.split("<script>")[1]
@@ -129,9 +132,12 @@ def test_a_repeated_sweep_measures_nothing_twice(swept, monkeypatch):
     def fail(*_, **__):
         raise AssertionError("measured twice")
 
+    from leanlm.optimize import sensitivity
+
     for name in ("build", "quality", "cost"):
         monkeypatch.setattr(sweep.Sweep, name, fail)
-    again = optimize(*args, cache_root=cache)
+    monkeypatch.setattr(sensitivity, "layer_sensitivity", fail)
+    again = optimize(*args, cache_root=cache, mixed=True)
     assert again.rows == outcome.rows
 
 

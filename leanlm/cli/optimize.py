@@ -57,10 +57,12 @@ def optimize(
     from leanlm.optimize.job import optimize as run
     from leanlm.optimize.pareto import Budget
     from leanlm.optimize.sweep import Settings
-    from leanlm.optimize.variants import read_variants
+    from leanlm.optimize.variants import draft_variants, read_variants
 
     limits = Budget.parse(budget)
     variants = read_variants("quick" if quick and recipes == "default" else recipes)
+    if recipes == "default" and not quick:
+        variants += draft_variants(model)
     for name, value in (("eval-tokens", eval_tokens), ("samples", samples)):
         if value is not None and value < 1:
             raise LeanLMError(f"--{name} must be at least 1")

@@ -29,8 +29,12 @@ class Outcome:
 
 
 def serve_command(row: dict, model_dir: Path) -> str:
-    """The `leanlm serve` line that runs a variant as it was measured."""
+    """The `leanlm serve` line that runs a variant as it was measured (`leanlm generate` for a draft model: the
+    serving engine speculates with prompt lookup only)."""
     v = row["variant"]
+    if v.get("draft"):
+        return shlex.join(["leanlm", "generate", str(model_dir), "PROMPT", "--draft", v["draft"]]) + \
+            "  # the server has no draft-model speculation yet"
     cmd = ["leanlm", "serve", str(model_dir), "--compile"]
     if v["dtype"] != "bfloat16":
         cmd += ["--dtype", v["dtype"]]
@@ -89,8 +93,9 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
         + (f"; throughput with {settings.concurrency} requests at once" if settings.concurrency else ""),
     ]
     if any(r.get("speedup") for r in rows):
-        summary.append("prompt lookup's TPOT is the plain TPOT divided by its speedup measured on input-grounded prompts "
-                       "(summaries, extraction, edits); on free-form text it gains less, often nothing")
+        summary.append("speculative variants' TPOT is the plain TPOT divided by the speedup measured A/B: prompt "
+                       "lookup on input-grounded prompts (summaries, extraction, edits; on free-form text it gains "
+                       "less, often nothing), a draft model on code prompts")
     ppl_limit = base_ppl * (1 + budget.ppl_gap) if budget.ppl_gap is not None and base_ppl else None
     write_png(rows, fronts, best, output / "pareto.png", title, ppl_limit)
     write_html(rows, fronts, best, output / "report.html", title, summary, images)

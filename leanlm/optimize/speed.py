@@ -2,8 +2,9 @@
 compiled graphs, allocator and threads never touch another's timing; prints one JSON object.
 
 Batch 1: `bench.latency.bench` on random tokens (TTFT of the prompt, median TPOT, MBU, prefill MFU, peak RSS).
-Prompt lookup is exact (its output is the plain model's), so its cost is the plain TPOT divided by the speedup
-measured A/B on input-grounded prompts (bench.speculative), where copying from the prompt can pay.
+Speculative decoding is exact (its output is the plain model's), so its cost is the plain TPOT divided by the
+speedup measured A/B by bench.speculative: prompt lookup on input-grounded prompts, where copying from the prompt
+can pay; a draft model on code prompts.
 Concurrent: `concurrency` random-token requests through the serving engine at once, output tokens per second.
 """
 
@@ -14,7 +15,7 @@ import sys
 import time
 
 
-def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, compiled: bool, cpp_wrapper: bool,
+def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: str, compiled: bool, cpp_wrapper: bool,
             threads: int | None, prompt_tokens: int, new_tokens: int, concurrency: int) -> dict:
     import torch
 
@@ -31,14 +32,22 @@ def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, compiled:
     threads, _ = pick_threads(net, threads)
     cache_cls = Int8KVCache if kv_cache == "int8" else StaticCache
     r = bench(net, model, prompt_tokens, new_tokens, 1, compiled=compiled, cache_cls=cache_cls).to_dict()
-    if prompt_lookup:
-        from leanlm.bench.speculative import compare, grounded_prompts
+    if prompt_lookup or draft:
+        from leanlm.bench.speculative import CODE_PROMPTS, compare, grounded_prompts
+        from leanlm.errors import LeanLMError
         from leanlm.generation.sampling import SamplingParams
-        from leanlm.generation.speculative import LookupProposer, resolve_k
+        from leanlm.generation.speculative import DraftProposer, LookupProposer, resolve_k
 
         params = SamplingParams(temperature=0, max_tokens=new_tokens)
-        spec = compare(net, tok, grounded_prompts(), params, lambda max_len: LookupProposer(ngram=prompt_lookup),
-                       resolve_k(net, None, None))
+        if draft:
+            draft_net, draft_tok = load(draft, dtype, None, progress=False)
+            if not tok.same_vocabulary(draft_tok):
+                raise LeanLMError(f"draft {draft} does not share {model}'s tokenizer")
+            k = resolve_k(net, draft_net, None)
+            spec = compare(net, tok, CODE_PROMPTS, params, lambda n: DraftProposer(draft_net, n + k + 1, params), k)
+        else:
+            spec = compare(net, tok, grounded_prompts(), params, lambda n: LookupProposer(ngram=prompt_lookup),
+                           resolve_k(net, None, None))
         r.update(speedup=spec["measured_speedup"], acceptance=spec["acceptance"],
                  tpot_ms=r["tpot_ms"] / spec["measured_speedup"], tokens_per_s=r["tokens_per_s"] * spec["measured_speedup"])
     if concurrency:

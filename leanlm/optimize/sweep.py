@@ -70,7 +70,7 @@ class Measured:
     quality_s: float = 0.0  # measuring its quality, and its cost (a fresh process: loading and compiling included)
     cost_s: float = 0.0
     throughput: float | None = None  # output tokens/s with Settings.concurrency requests at once
-    speedup: float | None = None  # prompt lookup: measured over plain decoding on input-grounded prompts
+    speedup: float | None = None  # speculative decoding: measured over plain decoding (bench.speculative)
     pass1: float | None = None  # HumanEval pass@1 (code models)
 
     def to_dict(self) -> dict:
@@ -261,7 +261,7 @@ class Sweep:
         """Batch-1 TTFT/TPOT, MBU/MFU, peak memory (and throughput) in a fresh process (optimize.speed)."""
         s = self.settings
         args = dict(model=str(model_dir), dtype=variant.dtype, kv_cache=variant.kv_cache,
-                    prompt_lookup=variant.prompt_lookup, compiled=s.compiled, cpp_wrapper=s.cpp_wrapper, threads=s.threads,
+                    prompt_lookup=variant.prompt_lookup, draft=variant.draft, compiled=s.compiled, cpp_wrapper=s.cpp_wrapper, threads=s.threads,
                     prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens, concurrency=s.concurrency)
         proc = subprocess.run([sys.executable, "-m", "leanlm.optimize.speed", json.dumps(args)], capture_output=True,
                               text=True)

@@ -18,14 +18,15 @@ DTYPES = ("bfloat16", "float16", "float32")
 @dataclass(frozen=True)
 class Variant:
     """One point of the sweep: `steps` as `leanlm quantize/prune --recipe` takes them (none: the model as it is),
-    in `dtype`, decoding with a 16-bit or int8 KV cache, optionally with prompt-lookup speculation (n-grams up to
-    `prompt_lookup`)."""
+    in `dtype`, decoding with a 16-bit or int8 KV cache, optionally speculating with prompt lookup (n-grams up to
+    `prompt_lookup`) or with a `draft` model of the same tokenizer."""
 
     name: str
     steps: tuple[dict, ...] = ()
     dtype: str = "bfloat16"
     kv_cache: str = "16"
     prompt_lookup: int = 0
+    draft: str = ""
     notes: str = ""
 
     def __post_init__(self):
@@ -33,6 +34,8 @@ class Variant:
             raise LeanLMError(f"variant {self.name}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache not in ("16", "int8"):
             raise LeanLMError(f"variant {self.name}: kv_cache must be 16 or int8, got {self.kv_cache!r}")
+        if self.draft and self.prompt_lookup:
+            raise LeanLMError(f"variant {self.name}: speculate with a draft or with prompt lookup, not both")
         for step in self.steps:
             if not isinstance(step, dict) or "method" not in step:
                 raise LeanLMError(f"variant {self.name}: each step is a mapping with a method, got {step!r}")
@@ -92,8 +95,18 @@ DEFAULT = (
 )
 
 
+DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # zoo models with a smaller sibling of the same tokenizer
+
+
+def draft_variants(model: str) -> tuple[Variant, ...]:
+    """Speculative decoding with the model's zoo draft, when it has one."""
+    draft = DRAFTS.get(model)
+    return () if draft is None else (Variant(f"bf16 draft {draft}", draft=draft, notes="speed on code prompts"),
+                                     Variant(f"w8+head8 draft {draft}", (W8, HEAD8_G), draft=draft))
+
+
 def read_variants(spec: str | Path) -> tuple[Variant, ...]:
-    """`default`, `quick`, or a YAML file: a list of {name, steps: [...], dtype, kv_cache, prompt_lookup}."""
+    """`default`, `quick`, or a YAML file: a list of {name, steps: [...], dtype, kv_cache, prompt_lookup, draft}."""
     if str(spec) in ("default", "quick"):
         return DEFAULT if str(spec) == "default" else QUICK
     path = Path(spec)

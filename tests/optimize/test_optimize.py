@@ -218,3 +218,32 @@ def test_optimize_cli_prints_the_table_and_the_serve_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "f32 *" in proc.stdout and f"leanlm serve {tmp_path / 'out' / 'recommended'} --compile --dtype float32" in proc.stdout
     assert json.loads((tmp_path / "out" / "results.json").read_text())["recommended"] == 0
+
+
+def test_serve_commands_follow_the_variant_and_drafts_come_from_the_zoo():
+    from pathlib import Path
+
+    from leanlm.optimize.job import serve_command
+    from leanlm.optimize.variants import draft_variants
+
+    row = {"variant": Variant("v", dtype="float16", kv_cache="int8", prompt_lookup=3).to_dict()}
+    assert serve_command(row, Path("d")) == "leanlm serve d --compile --dtype float16 --kv-cache int8 --prompt-lookup 3"
+    draft = draft_variants("qwen2.5-coder-1.5b")
+    assert draft and all(v.draft == "qwen2.5-coder-0.5b" for v in draft) and draft_variants("smollm2-135m") == ()
+    assert serve_command({"variant": draft[0].to_dict()}, Path("d")).startswith("leanlm generate d PROMPT --draft")
+    with pytest.raises(LeanLMError, match="not both"):
+        Variant("x", draft="a", prompt_lookup=2)
+
+
+def test_a_draft_variant_is_timed_against_plain_decoding(tiny_dir):
+    import torch
+
+    from leanlm.optimize.speed import measure
+
+    threads = torch.get_num_threads()
+    try:
+        r = measure(str(tiny_dir), "float32", "16", 0, str(tiny_dir), compiled=False, cpp_wrapper=True, threads=1,
+                    prompt_tokens=8, new_tokens=8, concurrency=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert r["speedup"] > 0 and r["acceptance"] == 1.0  # the model drafting for itself: every token accepted

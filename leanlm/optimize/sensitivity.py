@@ -308,8 +308,8 @@ def sensitivity_chart(result: Sensitivity, path: str | Path, title: str = "") ->
     kinds = list(dict.fromkeys(u.kind for u in result.units))
     layers = sorted({u.layer for u in result.units})
     width = 0.8 / max(len(result.options), 1)
-    fig, axes = plt.subplots(len(kinds), 1, figsize=(max(7, 0.3 * len(layers) * len(result.options)), 2.3 * len(kinds)),
-                             sharex=True, squeeze=False)
+    wide = min(18, max(8, 4 + 0.12 * len(layers) * len(result.options)))  # inches; bars get thin past 18
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(wide, 2.3 * len(kinds)), sharex=True, squeeze=False)
     for ax, kind in zip(axes[:, 0], kinds):
         for j, option in enumerate(result.options):
             points = [(u.layer, u.kl[option]) for u in result.units if u.kind == kind and u.kl.get(option, 0) > 0]

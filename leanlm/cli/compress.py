@@ -19,7 +19,8 @@ def quantize(
                                                        "lm_head: for recipes); default rtn")] = None,
     recipe: Annotated[Optional[Path], typer.Option(help="YAML list of steps applied in order, each a method and "
                                                         "its options, e.g. `- method: smooth` then `- {method: rtn, "
-                                                        "bits: 8, act_bits: 8}`")] = None,
+                                                        "bits: 8, act_bits: 8}`; rtn also takes per-projection `layers: {GLOB: 4 | 8 | 16 | "
+                                                        "{bits: 4, group_size: 32}}`")] = None,
     bits: Annotated[Optional[int], typer.Option(help="weight bits: 8 (per-channel int8) or 4 (int4 groups); "
                                                     "default: the method's (rtn 8, gptq/awq 4)")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="int4 group size along K: 32, 64 or 128 (default; a "

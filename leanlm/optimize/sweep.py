@@ -191,7 +191,11 @@ class Sweep:
             seconds = time.perf_counter() - start
             if proc.returncode:
                 raise LeanLMError(f"building variant {variant.name} failed: {_last_line(proc.stderr)}")
-            (Path(tmp) / "model").rename(out)
+            try:
+                (Path(tmp) / "model").rename(out)
+            except OSError:  # another worker (Ray) built the same model meanwhile: theirs is as good
+                if not out.exists():
+                    raise
         _write_json(record, {"seconds": seconds, "steps": list(variant.steps)})
         return out, seconds
 

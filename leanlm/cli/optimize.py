@@ -81,6 +81,8 @@ def optimize(
                       status=lambda text: bar.update(task, description=text),
                       on_row=lambda row: bar.advance(task), ray_address=ray,
                       mixed=mixed)
+    for name, why in outcome.failed.items():
+        err.print(f"[yellow]not measured:[/] {name}: {why}", highlight=False, soft_wrap=True)
     out.print(_table(outcome.rows, outcome.recommended))
     if outcome.best is None:
         out.print(f"no variant fits --budget {budget}; see the budget column")

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from leanlm.bench.probe import device_name
+from leanlm.errors import LeanLMError
 from leanlm.optimize.pareto import Budget, recommend
 from leanlm.optimize.report import frontiers, write_html, write_png
 from leanlm.optimize.sweep import Settings, Sweep
@@ -22,6 +23,7 @@ class Outcome:
     recommended: int | None
     serve_command: str | None
     output: Path
+    failed: dict[str, str]  # variant -> why it could not be measured
 
     @property
     def best(self) -> dict | None:
@@ -66,6 +68,8 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
         images.append("sensitivity.png")
         sweep.variants = (*variants, *mix.variants(result))
     rows = [r.to_dict() for r in sweep.run(on_row, ray_address)]
+    if not rows:
+        raise LeanLMError("no variant could be measured: " + "; ".join(f"{k}: {v}" for k, v in sweep.failed.items()))
     base_ppl = next((r["perplexity"] / (1 + r["ppl_gap"]) for r in rows), None)
     for r in rows:
         r["over_budget"] = "; ".join(budget.breaks(r))
@@ -92,6 +96,7 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
            else ", eager decode")
         + (f"; throughput with {settings.concurrency} requests at once" if settings.concurrency else ""),
     ]
+    summary += [f"not measured: {name}: {why}" for name, why in sweep.failed.items()]
     if any(r.get("speedup") for r in rows):
         summary.append("speculative variants' TPOT is the plain TPOT divided by the speedup measured A/B: prompt "
                        "lookup on input-grounded prompts (summaries, extraction, edits; on free-form text it gains "
@@ -101,9 +106,10 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
     write_html(rows, fronts, best, output / "report.html", title, summary, images)
     (output / "results.json").write_text(json.dumps({
         "model": model, "budget": asdict(budget), "settings": asdict(settings), "recommended": best,
-        "serve_command": command, "frontier": fronts, "rows": rows, "seconds": time.perf_counter() - start,
+        "serve_command": command, "frontier": fronts, "rows": rows, "failed": sweep.failed,
+        "seconds": time.perf_counter() - start,
     }, indent=1))
-    return Outcome(rows, best, command, output)
+    return Outcome(rows, best, command, output, sweep.failed)
 
 
 def _budget_text(budget: Budget) -> str:

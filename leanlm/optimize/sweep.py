@@ -107,10 +107,15 @@ class Sweep:
         """Every variant's row, in order; with `ray_address` ("local": a new local instance) the variants not
         measured yet run as Ray tasks, one per node's worth of CPUs, so that two never share cores while timed.
         The nodes must see this cache directory (one machine, or a shared file system)."""
+        self.failed: dict[str, str] = {}  # variant -> why it could not be measured (the others go on)
         if ray_address is None:
             rows = []
             for variant in self.variants:
-                rows.append(self.measure(variant))
+                try:
+                    rows.append(self.measure(variant))
+                except LeanLMError as e:
+                    self.failed[variant.name] = str(e)
+                    continue
                 on_row(rows[-1])
             return rows
         return self._run_on_ray(on_row, ray_address)
@@ -140,9 +145,13 @@ class Sweep:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             name = pending.pop(ready[0])
-            done[name] = Measured(**ray.get(ready[0]))
+            try:
+                done[name] = Measured(**ray.get(ready[0]))
+            except ray.exceptions.RayTaskError as e:
+                self.failed[name] = str(e.cause) if isinstance(e.cause, LeanLMError) else str(e)
+                continue
             on_row(done[name])
-        return [done[v.name] for v in self.variants]
+        return [done[v.name] for v in self.variants if v.name in done]
 
     def _row_path(self, variant: Variant) -> Path:
         return self.root / "rows" / f"{self._key('row', variant.to_dict(), asdict(self.settings))}.json"

@@ -247,3 +247,21 @@ def test_a_draft_variant_is_timed_against_plain_decoding(tiny_dir):
     finally:
         torch.set_num_threads(threads)
     assert r["speedup"] > 0 and r["acceptance"] == 1.0  # the model drafting for itself: every token accepted
+
+
+def test_a_variant_that_fails_is_reported_and_the_others_go_on(tmp_path):
+    from tests.conftest import make_hf_model, make_tokenizer
+
+    from leanlm.optimize.job import optimize
+    from leanlm.optimize.sweep import Settings
+
+    make_hf_model("llama", tmp_path / "m")
+    make_tokenizer(tmp_path / "m")
+    variants = (Variant("f32", dtype="float32"),  # 7 layers asked of a model of 2: the prune step fails
+                Variant("cut", ({"method": "layers", "num_layers": 7},), dtype="float32"))
+    settings = Settings(reference_dtype="float32", eval_tokens=300, samples=2, seq_len=32, prompt_tokens=8,
+                        new_tokens=4, compiled=False, threads=1)
+    outcome = optimize(str(tmp_path / "m"), variants, Budget(), settings, tmp_path / "out", cache_root=tmp_path / "c")
+    assert [r["name"] for r in outcome.rows] == ["f32"] and list(outcome.failed) == ["cut"]
+    assert "building variant cut failed" in outcome.failed["cut"]
+    assert "not measured: cut" in (tmp_path / "out" / "report.html").read_text()

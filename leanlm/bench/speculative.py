@@ -7,7 +7,7 @@ import time
 from leanlm.eval.datasets import builtin_text
 from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
-from leanlm.generation.speculative import SpecStats, speculative_generate
+from leanlm.generation.speculative import DraftProposer, LookupProposer, SpecStats, speculative_generate
 from leanlm.generation.text import encode_prompt, eos_ids
 from leanlm.models.transformer import Transformer
 from leanlm.tokenizer import Tokenizer
@@ -53,3 +53,12 @@ def compare(target: Transformer, tokenizer: Tokenizer, prompts: list[str], param
     return {**stats.to_dict(), "plain_tokens_per_s": plain_tokens / plain_time, "spec_tokens_per_s": spec_tokens / spec_time,
             "measured_speedup": (spec_tokens / spec_time) / (plain_tokens / plain_time), "prompts": len(prompts),
             "identical_outputs": identical}
+
+
+def speculation(target: Transformer, tokenizer: Tokenizer, params: SamplingParams, k: int,
+                draft: Transformer | None = None, ngram: int = 3) -> dict:
+    """compare() where each proposer can pay: a draft model on code prompts, or prompt lookup (n-grams up to
+    `ngram`) on input-grounded prompts."""
+    if draft is not None:
+        return compare(target, tokenizer, CODE_PROMPTS, params, lambda max_len: DraftProposer(draft, max_len + k + 1, params), k)
+    return compare(target, tokenizer, grounded_prompts(), params, lambda max_len: LookupProposer(ngram=ngram), k)

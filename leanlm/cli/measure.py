@@ -157,18 +157,14 @@ def bench(
 
 
 def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtype, device, threads) -> None:
-    from leanlm.bench.speculative import CODE_PROMPTS, compare, grounded_prompts
+    from leanlm.bench.speculative import speculation
     from leanlm.generation.sampling import SamplingParams
-    from leanlm.generation.speculative import DraftProposer, LookupProposer, resolve_k
+    from leanlm.generation.speculative import resolve_k
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     draft_net = _load_draft(draft, tok, dtype, device, threads) if draft else None
     k = resolve_k(net, draft_net, k)
-    if draft_net is not None:
-        prompts, factory = CODE_PROMPTS, lambda max_len: DraftProposer(draft_net, max_len + k + 1, params)
-    else:
-        prompts, factory = grounded_prompts(), lambda max_len: LookupProposer(ngram=ngram)
-    r = compare(net, tok, prompts, params, factory, k)
+    r = speculation(net, tok, params, k, draft_net, ngram)
     r.update(model=model, draft=draft, prompt_lookup=ngram, threads=threads, dtype=str(net.dtype).removeprefix("torch."))
     if json_:
         print(json.dumps(r))

@@ -17,8 +17,6 @@ import time
 
 def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: str, compiled: bool, cpp_wrapper: bool,
             threads: int | None, prompt_tokens: int, new_tokens: int, concurrency: int) -> dict:
-    import torch
-
     from leanlm.api import load
     from leanlm.bench.latency import bench
     from leanlm.cache.static import StaticCache
@@ -29,30 +27,26 @@ def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: st
     if not cpp_wrapper:  # this process only: inductor's Python launcher (half the compile time; TPOT within noise)
         compiled_step.INDUCTOR_OPTIONS["cpu"] = {**compiled_step.INDUCTOR_OPTIONS["cpu"], "cpp_wrapper": False}
     net, tok = load(model, dtype, None, progress=False)
-    threads, _ = pick_threads(net, threads)
+    pick_threads(net, threads)
     cache_cls = Int8KVCache if kv_cache == "int8" else StaticCache
     r = bench(net, model, prompt_tokens, new_tokens, 1, compiled=compiled, cache_cls=cache_cls).to_dict()
     if prompt_lookup or draft:
-        from leanlm.bench.speculative import CODE_PROMPTS, compare, grounded_prompts
+        from leanlm.bench.speculative import speculation
         from leanlm.errors import LeanLMError
         from leanlm.generation.sampling import SamplingParams
-        from leanlm.generation.speculative import DraftProposer, LookupProposer, resolve_k
+        from leanlm.generation.speculative import resolve_k
 
-        params = SamplingParams(temperature=0, max_tokens=new_tokens)
+        draft_net = None
         if draft:
             draft_net, draft_tok = load(draft, dtype, None, progress=False)
             if not tok.same_vocabulary(draft_tok):
                 raise LeanLMError(f"draft {draft} does not share {model}'s tokenizer")
-            k = resolve_k(net, draft_net, None)
-            spec = compare(net, tok, CODE_PROMPTS, params, lambda n: DraftProposer(draft_net, n + k + 1, params), k)
-        else:
-            spec = compare(net, tok, grounded_prompts(), params, lambda n: LookupProposer(ngram=prompt_lookup),
-                           resolve_k(net, None, None))
+        params = SamplingParams(temperature=0, max_tokens=new_tokens)
+        spec = speculation(net, tok, params, resolve_k(net, draft_net, None), draft_net, prompt_lookup)
         r.update(speedup=spec["measured_speedup"], acceptance=spec["acceptance"],
                  tpot_ms=r["tpot_ms"] / spec["measured_speedup"], tokens_per_s=r["tokens_per_s"] * spec["measured_speedup"])
     if concurrency:
         r["throughput"] = _throughput(net, tok, kv_cache, concurrency, prompt_tokens, new_tokens, prompt_lookup)
-        torch.set_num_threads(threads)
     return r
 
 

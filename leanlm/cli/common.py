@@ -18,6 +18,8 @@ Model = Annotated[str, typer.Argument(help="zoo name (see `leanlm pull --list`),
 DType = Annotated[str, typer.Option(help="weights/activations dtype: auto (bfloat16), float32, bfloat16, float16")]
 Device = Annotated[str, typer.Option(help="cpu or cuda (auto: cuda when present)")]
 Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: the fastest, found by a short probe)")]
+KVCache = Annotated[str, typer.Option(help="KV cache storage: 16 (the model dtype) or int8 (per token/head: about "
+                                            "twice the tokens in the same memory)")]
 Compact = Annotated[bool, typer.Option(help="store int8 layers pruned 2:4 compactly (kept values + position masks, "
                                             "0.625 B a weight, scheme w8a16_2:4): 37% less memory, but its kernel "
                                             "decodes slower than dense int8 on Zen 4")]
@@ -26,6 +28,13 @@ Compact = Annotated[bool, typer.Option(help="store int8 layers pruned 2:4 compac
 def _fail(message: str) -> None:
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _int8_kv(kv_cache: str) -> bool:
+    """--kv-cache: 16 or int8; whether it is int8."""
+    if kv_cache not in ("16", "int8"):
+        _fail(f"--kv-cache must be 16 or int8, got {kv_cache!r}")
+    return kv_cache == "int8"
 
 
 def _load(model: str, dtype: str, device: str, threads: int | None, quiet: bool = False):

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from leanlm.cli.common import DType, Device, Model, Threads, _fail, _load, app, err, out
+from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, _int8_kv, _load, app, err, out
 
 
 @app.command()
@@ -55,7 +55,7 @@ def generate(
     prompt_lookup: Annotated[Optional[int], typer.Option(help="speculative decoding by prompt lookup with n-grams up "
                                                               "to N (plain --prompt-lookup: 3)")] = None,
     stats: Annotated[bool, typer.Option(help="print speculative-decoding statistics to stderr")] = False,
-    kv_cache: Annotated[str, typer.Option(help="KV cache storage: 16 (the model dtype) or int8 (per token/head)")] = "16",
+    kv_cache: KVCache = "16",
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Complete PROMPT with MODEL and print the completion (streamed for a single prompt)."""
@@ -78,12 +78,10 @@ def generate(
         _speculate(net, tok, prompt[0], params, chat, draft, prompt_lookup, num_speculative, dtype, device, threads, stats)
         return
     compiled = CompiledDecoder(net) if compile else None
-    if kv_cache not in ("16", "int8"):
-        _fail(f"--kv-cache must be 16 or int8, got {kv_cache!r}")
     from leanlm.cache.static import StaticCache
     from leanlm.compress.quant.kv import Int8KVCache
 
-    cache_cls = Int8KVCache if kv_cache == "int8" else StaticCache
+    cache_cls = Int8KVCache if _int8_kv(kv_cache) else StaticCache
     if len(prompt) == 1:
         _print_stream(stream(net, tok, prompt[0], params, chat, compiled, cache_cls))
         return

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import DType, Device, Model, Threads, _fail, app, err, out
+from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _int8_kv, app, err, out
 
 
 @app.command()
@@ -21,8 +21,7 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(help="most sequences decoded together")] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step (prompt chunks fill it)")] = 1024,
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "2GiB",
-    kv_cache: Annotated[str, typer.Option(help="KV cache storage: 16 (the model dtype) or int8 (per token/head: "
-                                               "about twice the tokens in the same memory)")] = "16",
+    kv_cache: KVCache = "16",
     max_requests: Annotated[int, typer.Option(help="requests in progress beyond which new ones get 503")] = 512,
     prompt_lookup: Annotated[int, typer.Option(help="prompt-lookup speculation with n-grams up to N (0: off)")] = 0,
     deterministic: Annotated[bool, typer.Option(help="outputs independent of batching, chunking, speculation")] = False,
@@ -38,10 +37,8 @@ def serve(
     from leanlm.engine import AsyncLLM
     from leanlm.serve import serve as run_server
 
-    if kv_cache not in ("16", "int8"):
-        _fail(f"--kv-cache must be 16 or int8, got {kv_cache!r}")
-    options = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, kv_cache_dtype="int8" if kv_cache == "int8" else "auto",
-                   max_num_seqs=max_num_seqs,
+    options = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
+                   kv_cache_dtype="int8" if _int8_kv(kv_cache) else "auto", max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, prompt_lookup=prompt_lookup,
                    deterministic=deterministic, compile=compile)
     if replicas > 1 or ray_address:

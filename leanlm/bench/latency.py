@@ -13,6 +13,7 @@ import torch
 from leanlm.analysis.memory import kv_bytes_per_token, param_count, weight_bytes_read
 from leanlm.bench.probe import peaks
 from leanlm.cache.static import StaticCache
+from leanlm.compress.quant.kv import int8_bytes_per_head
 from leanlm.generation.compiled import CompiledDecoder
 from leanlm.generation.decode import decode_step, prefill
 from leanlm.models.transformer import Transformer
@@ -87,7 +88,7 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
     dtype = str(model.dtype).removeprefix("torch.")
     weights = weight_bytes_read(model)
     avg_len = prompt_tokens + new_tokens / 2
-    kv_item = 1 + 4 / cfg.head_dim if cache_cls is not StaticCache else model.dtype.itemsize  # int8: + fp32 scale
+    kv_item = int8_bytes_per_head(cfg.head_dim) / cfg.head_dim if cache_cls is not StaticCache else model.dtype.itemsize
     kv_read = kv_bytes_per_token(cfg, kv_item) * avg_len * batch
     gbs = (weights + kv_read) / tpot / 1e9
     counts = param_count(cfg)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from leanlm.compress.quant.kv import dequantize_per_token, quantize_per_token
+from leanlm.compress.quant.kv import dequantize_per_token, int8_bytes_per_head, quantize_per_token
 from leanlm.errors import LeanLMError
 from leanlm.models.config import ModelConfig
 
@@ -51,7 +51,7 @@ class KVPool:
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool = False) -> int:
         """2 (k and v) x layers x tokens x kv heads x (head_dim x bytes per element, + a float32 scale if int8)."""
-        per_head = cfg.head_dim + 4 if int8 else cfg.head_dim * dtype.itemsize
+        per_head = int8_bytes_per_head(cfg.head_dim) if int8 else cfg.head_dim * dtype.itemsize
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
 
     @classmethod

@@ -12,6 +12,11 @@ from leanlm.models.config import ModelConfig
 PER_TOKEN_INT8 = QuantSpec(bits=8, symmetric=True, granularity="token")  # one scale per (token, head)
 
 
+def int8_bytes_per_head(head_dim: int) -> int:
+    """Bytes one token's key (or value) of one head takes in an int8 cache: the codes and a float32 scale."""
+    return head_dim + 4
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax int8 over the last dim: x [..., D] -> (q int8 [..., D], scale float32 [..., 1])."""
     scale, zero = compute_qparams(x, PER_TOKEN_INT8)

@@ -177,13 +177,11 @@ def table(rows: list[dict]) -> str:
 
 def plot_sweep(curves: dict[str, list[dict]], path: str) -> None:
     """Output throughput against median TPOT and TTFT, one line per server, each point a concurrency."""
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise LeanLMError("drawing the sweep needs matplotlib: pip install 'leanlm[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, rows in curves.items():
         for ax, key in zip(axes, ("tpot_ms", "ttft_ms")):

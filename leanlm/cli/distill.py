@@ -123,10 +123,7 @@ def distill(
     run = {"teacher": str(teacher), "student": str(student or student_from), "keep_layers": keep,
            "config": asdict(config), "history": asdict(history)}
     (output / "distill.json").write_text(json.dumps(run, indent=1))
-    try:
-        plot_history(history, output / "curve.png")
-    except ImportError:  # matplotlib is an extra
-        err.print("curve.png not drawn: matplotlib is not installed (pip install 'leanlm[plot]')")
+    plot_history(history, output / "curve.png")
     if not keep_checkpoint:
         shutil.rmtree(output / "checkpoint", ignore_errors=True)
     err.print(f"{history.tokens} training tokens in {history.seconds / 60:.1f} min "

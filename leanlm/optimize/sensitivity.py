@@ -298,13 +298,11 @@ def mixed_recipe(assignment: dict[str, str], act_bits: int = 16) -> str:
 
 def sensitivity_chart(result: Sensitivity, path: str | Path, title: str = "") -> None:
     """A PNG: one panel per projection kind (qkv, o, gate_up, down), a bar per layer and option, KL on a log axis."""
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise LeanLMError("drawing the sensitivity chart needs matplotlib: pip install 'leanlm[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     kinds = list(dict.fromkeys(u.kind for u in result.units))
     layers = sorted({u.layer for u in result.units})
     width = 0.8 / max(len(result.options), 1)

@@ -47,6 +47,15 @@ def disk_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+def sizes(net, path: Path) -> dict:
+    """A loaded model's resident weights (MB, measured and by formula), its files' size (MB) and its bits per
+    stored parameter (scales and 16-bit parts included)."""
+    formula, params = formula_weight_bytes(net)
+    resident = stored_bytes(net)
+    return dict(bits_per_weight=resident * 8 / params, disk_mb=disk_bytes(path) / MB, memory_mb=resident / MB,
+                formula_mb=formula / MB)
+
+
 def quality(base: str, others: list[str], dtype: str = "auto", device: str | None = None,
             max_tokens: int = 16384, data: Path | None = None, progress=None) -> list[Compared]:
     """Perplexity on a text (default: the built-in evaluation text), size, and agreement with `base`, for
@@ -65,13 +74,9 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
         if not tok.same_vocabulary(other_tok):
             raise LeanLMError(f"{name} has another tokenizer than {base}; compare variants of one model")
         ppl, agree = score(net, ids, None if net is ref else ref, progress=progress)
-        formula, params = formula_weight_bytes(net)
         sparsity, pattern = decoder_sparsity(net)
         rows.append(Compared(
-            model=name, bits_per_weight=stored_bytes(net) * 8 / params,
-            disk_mb=disk_bytes(resolve(name, progress=False)) / MB, memory_mb=stored_bytes(net) / MB,
-            formula_mb=formula / MB,
-            perplexity=ppl.perplexity, kl=agree.kl if agree else 0.0, top1=agree.top1 if agree else 1.0,
+            model=name, **sizes(net, resolve(name, progress=False)), perplexity=ppl.perplexity, kl=agree.kl if agree else 0.0, top1=agree.top1 if agree else 1.0,
             tokens=ppl.tokens, sparsity=sparsity, pattern=pattern, lm_head=lm_head_kind(net)))
     return rows
 

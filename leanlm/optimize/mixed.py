@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from leanlm.compress.registry import recipe_steps
-from leanlm.optimize.variants import HEAD8_G, Variant, _digest
+from leanlm.optimize.variants import HEAD8_G, Variant, digest
 
 OPTIONS = ("w4g128", "w4g32", "w8")  # what each projection may get
 EQUAL_TO = "w4g32"  # the mixed variant may take no more bytes than this option everywhere
@@ -20,7 +20,7 @@ def sensitivity(source: Path, root: Path, tokens: int = TOKENS, status=lambda te
     in root/sensitivity/."""
     from leanlm.optimize.sensitivity import Sensitivity, layer_sensitivity, parse_option
 
-    path = root / "sensitivity" / f"{_digest([OPTIONS, tokens])}.json"
+    path = root / "sensitivity" / f"{digest([OPTIONS, tokens])}.json"
     if path.exists():
         return Sensitivity.from_dict(json.loads(path.read_text()))
     import torch

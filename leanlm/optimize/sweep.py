@@ -19,9 +19,7 @@ from pathlib import Path
 import yaml
 
 from leanlm.errors import LeanLMError
-from leanlm.optimize.variants import Variant, _digest
-
-MB = 2**20
+from leanlm.optimize.variants import Variant, digest
 
 
 @dataclass(frozen=True)
@@ -154,7 +152,7 @@ class Sweep:
         return [done[v.name] for v in self.variants if v.name in done]
 
     def _row_path(self, variant: Variant) -> Path:
-        return self.root / "rows" / f"{self._key('row', variant.to_dict(), asdict(self.settings))}.json"
+        return self.root / "rows" / f"{digest(['row', variant.to_dict(), asdict(self.settings)])}.json"
 
     def measure(self, variant: Variant) -> Measured:
         path = self._row_path(variant)
@@ -171,15 +169,12 @@ class Sweep:
         _write_json(path, row.to_dict())
         return Measured(**json.loads(path.read_text()))  # as a resumed sweep will read it (tuples as lists)
 
-    def _key(self, *parts) -> str:
-        return _digest(parts)
-
     def build(self, variant: Variant) -> tuple[Path, float]:
         """The variant's model directory, made by `leanlm quantize/prune --recipe` in a fresh process once."""
         if not variant.builds_model:
             return self.source, 0.0
         s = self.settings
-        out = self.root / "models" / self._key(variant.model_key(), s.samples, s.seq_len, s.data)
+        out = self.root / "models" / digest([variant.model_key(), s.samples, s.seq_len, s.data])
         record = out.parent / f"{out.name}.json"
         if out.exists() and record.exists():
             return out, json.loads(record.read_text())["seconds"]
@@ -212,13 +207,14 @@ class Sweep:
         """Perplexity, KL, top-1 and dp against the original (in reference_dtype) on the evaluation text, and the
         variant's size in memory."""
         s = self.settings
-        path = self.root / "quality" / f"{self._key(str(model_dir), variant.dtype, variant.kv_cache, s.eval_tokens, s.data, s.reference_dtype, s.humaneval)}.json"
+        key = digest([str(model_dir), variant.dtype, variant.kv_cache, s.eval_tokens, s.data, s.reference_dtype,
+                      s.humaneval])
+        path = self.root / "quality" / f"{key}.json"
         if path.exists():
             return json.loads(path.read_text())
         self.status(f"{variant.name}: quality")
-        from leanlm.analysis.memory import formula_weight_bytes, stored_bytes
         from leanlm.api import load
-        from leanlm.bench.compare import disk_bytes
+        from leanlm.bench.compare import sizes
         from leanlm.compress.quant.kv import Int8KVCache
         from leanlm.eval.perplexity import score
 
@@ -226,11 +222,11 @@ class Sweep:
         net, tok = load(model_dir, variant.dtype, "cpu", progress=False)
         ppl, agree = score(net, ids, reference, cache_cls=Int8KVCache if variant.kv_cache == "int8" else None)
         base_ppl = self._base_perplexity()
-        _, params = formula_weight_bytes(net)
+        size = sizes(net, model_dir)
         result = dict(perplexity=ppl.perplexity, ppl_gap=ppl.perplexity / base_ppl - 1 if base_ppl else 0.0,
                       kl=max(agree.kl, 0.0), top1=agree.top1, dp=list(agree.dp), dp_rms=agree.dp_rms,
-                      tokens=ppl.tokens, memory_mb=stored_bytes(net) / MB, disk_mb=disk_bytes(model_dir) / MB,
-                      bits_per_weight=stored_bytes(net) * 8 / params)
+                      tokens=ppl.tokens, memory_mb=size["memory_mb"], disk_mb=size["disk_mb"],
+                      bits_per_weight=size["bits_per_weight"])
         if s.humaneval:
             result["pass1"] = self._pass1(variant, net, tok)
         _write_json(path, result)
@@ -260,7 +256,7 @@ class Sweep:
     def _base_perplexity(self) -> float:
         """The original's perplexity on the same tokens (measured once, cached like a quality row)."""
         s = self.settings
-        path = self.root / "quality" / f"{self._key('base', s.eval_tokens, s.data, s.reference_dtype)}.json"
+        path = self.root / "quality" / f"{digest(['base', s.eval_tokens, s.data, s.reference_dtype])}.json"
         if path.exists():
             return json.loads(path.read_text())["perplexity"]
         from leanlm.eval.perplexity import perplexity

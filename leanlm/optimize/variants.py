@@ -51,13 +51,14 @@ class Variant:
 
     def model_key(self) -> str:
         """Names the built model: only what changes the weights."""
-        return _digest({"steps": self.steps, "dtype": self.dtype})
+        return digest({"steps": self.steps, "dtype": self.dtype})
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _digest(obj) -> str:
+def digest(obj) -> str:
+    """A short stable name for a JSON-able value: the cache keys of builds and measurements."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 

@@ -35,6 +35,18 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_spans(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of `text` (no special tokens) and where each token ends in it: token i is
+        text[ends[i-1]:ends[i]], whitespace going with the token after it, so the spans tile the text."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        ends, last = [], 0
+        for _, end in enc.offsets:  # pieces of one character share its offsets
+            last = max(last, end)
+            ends.append(last)
+        if ends:
+            ends[-1] = len(text)
+        return enc.ids, ends
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -85,6 +85,9 @@ def test_stdout_is_the_completion_even_when_a_gguf_is_converted_first(tmp_path):
     (["generate", "{dir}", "hi", "--dtype", "int3"], "unknown dtype"),
     (["generate", "{dir}", "hello " * 300], "context window"),
     (["bench", "{dir}", "--threads", "0"], "threads"),
+    (["compress-prompt", "--scorer", "{dir}"], "TEXT or with --file"),
+    (["compress-prompt", "-f", "/no/such.txt", "--scorer", "{dir}"], "/no/such.txt"),
+    (["compress-prompt", "hello " * 40, "--scorer", "{dir}", "--method", "zip"], "unknown compression method"),
 ])
 def test_bad_input_is_one_clear_line(tiny_dir, args, message):
     r = leanlm(*[a.replace("{dir}", str(tiny_dir)) for a in args])
@@ -102,9 +105,22 @@ def test_unsupported_architecture(tiny_dir):
 
 
 def test_every_verb_has_help():
-    for verb in ("pull", "generate", "eval", "bench", "info", "serve", "prune"):
+    for verb in ("pull", "generate", "eval", "bench", "info", "serve", "prune", "compress-prompt"):
         r = leanlm(verb, "--help")
         assert r.returncode == 0 and "Usage" in r.stdout
+
+
+def test_compress_prompt_prints_the_prompt_and_its_ratio(tiny_dir, tmp_path):
+    text = "the quick brown fox jumps over the lazy dog 42 times. hello world, hello there.\n\n" * 4
+    (tmp_path / "p.txt").write_text(text)
+    r = leanlm("compress-prompt", "-f", tmp_path / "p.txt", "--scorer", tiny_dir, "--rate", "0.4", "--question",
+               "how many?")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n").endswith("how many?") and r.stdout.count("42") == 4
+    assert "tokens (" in r.stderr and "x, llmlingua)" in r.stderr
+    r = leanlm("compress-prompt", text, "--scorer", tiny_dir, "--target-tokens", "30", "--method", "selective", "--json")
+    report = json.loads(r.stdout)
+    assert report["method"] == "selective" and report["compressed_tokens"] <= 33 and report["ratio"] > 2
 
 
 def test_speculative_generate_and_bench(tiny_dir):

@@ -138,3 +138,51 @@ def _export_gguf(model: str, output: Path, round_offsets: bool) -> None:
     rounded = (f"; {written.rounded_offsets} of {written.offsets} int4 group offsets rounded to float16"
                if written.rounded_offsets else "")
     out.print(f"{model} -> {output} (GGUF: {types} tensors{rounded})", soft_wrap=True)
+
+
+@app.command("compress-prompt")
+def compress_prompt(
+    text: Annotated[Optional[str], typer.Argument(help="the prompt's context (or --file)")] = None,
+    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="read the context from this file ('-': "
+                                                                      "standard input)")] = None,
+    question: Annotated[str, typer.Option(help="asked after the context and kept whole; it makes the compression "
+                                               "question-aware (LongLLMLingua)")] = "",
+    instruction: Annotated[str, typer.Option(help="put before the context and kept whole")] = "",
+    rate: Annotated[float, typer.Option(help="fraction of the prompt's tokens to keep (0.5: 2x, 0.2: 5x)")] = 0.5,
+    target_tokens: Annotated[Optional[int], typer.Option(help="tokens to keep (instead of --rate)")] = None,
+    method: Annotated[str, typer.Option(help="llmlingua (coarse units, then tokens given the compressed prefix), "
+                                             "selective (Selective Context, the baseline) or random")] = "llmlingua",
+    scorer: Annotated[str, typer.Option(help="the small model that scores tokens: zoo name or directory")]
+        = "smollm2-135m",
+    force: Annotated[Optional[list[str]], typer.Option(help="a string that must survive (repeat the option for "
+                                                            "more)")] = None,
+    keep_numbers: Annotated[bool, typer.Option(help="numbers always survive")] = True,
+    keep_identifiers: Annotated[bool, typer.Option(help="code names (snake_case, camelCase, called names) always "
+                                                        "survive")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print a JSON object: the text, token counts, ratio, "
+                                                         "seconds")] = False,
+) -> None:
+    """Compress a long prompt by dropping the tokens a small model finds predictable (LLMLingua; question-aware
+    LongLLMLingua with --question). Prints the compressed prompt; the ratio goes to stderr. Token counts are the
+    scorer's."""
+    import sys
+
+    from leanlm.cli.common import err
+    from leanlm.compress.prompt import PromptCompressor
+
+    if (text is None) == (file is None):
+        _fail("give the prompt as TEXT or with --file, one of the two")
+    if file is not None:
+        if str(file) != "-" and not file.is_file():
+            _fail(f"{file}: no such file")
+        text = sys.stdin.read() if str(file) == "-" else file.read_text(errors="replace")
+    result = PromptCompressor(scorer, progress=True).compress(
+        text, question=question, instruction=instruction, rate=rate,
+        target_tokens=target_tokens, method=method, force=tuple(force or ()), keep_numbers=keep_numbers,
+        keep_identifiers=keep_identifiers)
+    if as_json:
+        out.print_json(json.dumps(result.to_dict()))
+        return
+    sys.stdout.write(result.text + ("" if result.text.endswith("\n") else "\n"))
+    err.print(f"{result.original_tokens} -> {result.compressed_tokens} tokens ({result.ratio:.2f}x, "
+              f"{result.method}) in {result.seconds:.2f} s")

@@ -27,6 +27,9 @@ def serve(
     deterministic: Annotated[bool, typer.Option(help="outputs independent of batching, chunking, speculation")] = False,
     compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs (each "
                                           "batch-size bucket compiles once, ~1 min)")] = False,
+    prompt_scorer: Annotated[str, typer.Option(help="the small model that compresses the prompts of requests that ask "
+                                                    "for it (\"leanlm\": {\"compress_prompt\": {\"rate\": 0.5}}); "
+                                                    "loaded on first use")] = "smollm2-135m",
     replicas: Annotated[int, typer.Option(help="engine replicas behind one endpoint on Ray Serve (leanlm[ray])")] = 1,
     ray_address: Annotated[Optional[str], typer.Option(help="an existing Ray cluster for the replicas, or "
                                                             "`local` (default: a new local instance)")] = None,
@@ -47,10 +50,10 @@ def serve(
         if threads is not None:
             options["threads"] = threads
         serve_replicas(model, served_model_name or model, replicas, host, port, api_key, max_requests, options,
-                       ray_address)
+                       ray_address, prompt_scorer=prompt_scorer)
         return
     llm = AsyncLLM(model, threads=threads, **options)
-    run_server(llm, served_model_name or model, host, port, api_key, max_requests)
+    run_server(llm, served_model_name or model, host, port, api_key, max_requests, prompt_scorer=prompt_scorer)
 
 
 @app.command("bench-serve", hidden=True)  # `leanlm bench serve ...` (main() rewrites it to this verb)

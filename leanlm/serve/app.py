@@ -21,6 +21,7 @@ from leanlm.engine.llm import AsyncLLM
 from leanlm.engine.sequence import Delta
 from leanlm.errors import LeanLMError
 from leanlm.serve.metrics import Metrics
+from leanlm.serve.prompts import PromptCompression
 from leanlm.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 MAX_BODY = 10 << 20  # bytes of a request body
@@ -56,6 +57,7 @@ class _Run:
             raise
         self.choices = [_Completion() for _ in range(len(prompts) * params.n)]
         self.left, self.closed = len(self.choices), False
+        self.compression: dict = {}  # usage fields of a compressed prompt
 
     def index(self, delta: Delta) -> int:
         return self.ids.index(delta.request_id) * self.params.n + delta.index
@@ -110,7 +112,7 @@ class _Run:
     def usage(self) -> dict:
         completion = sum(c.tokens for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion, **self.compression}
 
 
 def fail(message: str, code: int = 400, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
@@ -137,13 +139,16 @@ class _Guard:
         await self.app(scope, receive, send)
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_requests: int = 512) -> FastAPI:
+def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_requests: int = 512,
+              prompt_scorer="smollm2-135m") -> FastAPI:
     """max_requests: HTTP requests in progress beyond which new ones get 503 and Retry-After (the queue is bounded
-    here, not left to grow in the engine)."""
+    here, not left to grow in the engine). prompt_scorer: the model that compresses prompts that ask for it (the
+    "leanlm": {"compress_prompt": {...}} field), loaded on first use, or a PromptCompressor."""
     app = FastAPI(title="leanlm", docs_url=None, redoc_url=None)
     app.state.active = 0  # HTTP requests admitted and not yet answered in full
     metrics = Metrics(llm.engine, model_name)
     tok = llm.tokenizer
+    compression = PromptCompression(prompt_scorer)
     app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
@@ -175,13 +180,17 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def start(body, prompts: list, params, chat: bool) -> _Run | JSONResponse:
+    async def start(body, prompts: list, params, chat: bool) -> _Run | JSONResponse:
         if body.model != model_name:
             return fail(f"model {body.model!r} does not exist; this server serves {model_name!r}", 404)
         if app.state.active >= max_requests:
             return fail(f"server busy: {max_requests} requests in progress", 503, "server_error",
                         {"Retry-After": "1"})
+        usage = {}
+        if body.leanlm and body.leanlm.compress_prompt:
+            prompts, usage = await compression.apply(body.leanlm.compress_prompt, prompts, chat, tok)
         run = _Run(llm, metrics, prompts, params, chat, done)
+        run.compression = usage
         app.state.active += 1
         metrics.prompt_tokens.inc(run.prompt_tokens)
         return run
@@ -191,7 +200,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        run = start(body, body.prompts(), body.sampling_params(body.max_tokens, body.logprobs), chat=False)
+        run = await start(body, body.prompts(), body.sampling_params(body.max_tokens, body.logprobs), chat=False)
         if isinstance(run, JSONResponse):
             return run
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -212,7 +221,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [m.as_template_input() for m in body.messages]
         top = body.top_logprobs or 0 if body.logprobs else None
-        run = start(body, [messages], body.sampling_params(body.max_completion_tokens or body.max_tokens, top), True)
+        run = await start(body, [messages], body.sampling_params(body.max_completion_tokens or body.max_tokens, top),
+                          True)
         if isinstance(run, JSONResponse):
             return run
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

@@ -14,6 +14,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class CompressPrompt(BaseModel):
+    """Opt-in prompt compression (compress.prompt) of the prompt, or of a chat's last user message."""
+
+    model_config = ConfigDict(extra="forbid")
+    rate: float | None = Field(default=None, gt=0, le=1)
+    target_tokens: int | None = Field(default=None, gt=0)
+    question: str = ""
+    method: Literal["llmlingua", "selective", "random"] = "llmlingua"
+    force: list[str] = []
+    keep_numbers: bool = True
+    keep_identifiers: bool = False
+
+    def options(self) -> dict:
+        """PromptCompressor.compress's keyword arguments (rate 0.5 unless a rate or target is given)."""
+        return {**self.model_dump(), "force": tuple(self.force), "rate": self.rate or 0.5}
+
+
+class LeanLMOptions(BaseModel):
+    """leanlm's own request fields, under "leanlm" (the openai client sends them with extra_body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    compress_prompt: CompressPrompt | None = None
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does (clients send `user`)."""
 
@@ -37,6 +61,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
+    leanlm: LeanLMOptions | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; LeanLMError (a 400) for what it cannot honour."""

@@ -26,10 +26,11 @@ class Server:
         from leanlm.serve.app import build_app
 
         max_requests = options.pop("max_requests", 512)
+        scorer = options.pop("prompt_scorer", "smollm2-135m")
         self.llm = AsyncLLM(model, tok, quiet=True, **options)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = app = build_app(self.llm, NAME, api_key=KEY, max_requests=max_requests)
+        self.app = app = build_app(self.llm, NAME, api_key=KEY, max_requests=max_requests, prompt_scorer=scorer)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -55,7 +56,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    s = Server(*tiny, block_size=4, kv_cache_memory=1 << 24)
+    from leanlm.compress.prompt import PromptCompressor
+
+    s = Server(*tiny, block_size=4, kv_cache_memory=1 << 24, prompt_scorer=PromptCompressor(model=tiny))
     yield s
     s.stop()
 
@@ -197,6 +200,9 @@ def test_a_stream_whose_client_left_before_the_response_began_is_cleaned_up(serv
     ({"model": NAME, "prompt": "hello " * 600}, 400, "context window"),
     ({"model": NAME, "prompt": [5, 6, 100000]}, 400, "token id"),
     ({"model": NAME, "prompt": "x" * (11 << 20)}, 413, "MiB"),
+    ({"model": NAME, "prompt": "hi", "leanlm": {"compress_prompt": {"rate": 2}}}, 400, "rate"),
+    ({"model": NAME, "prompt": "hi", "leanlm": {"compress_prompt": {"ratio": 0.5}}}, 400, "ratio"),
+    ({"model": NAME, "prompt": [5, 6], "leanlm": {"compress_prompt": {}}}, 400, "text prompts"),
 ])
 def test_bad_input_gets_an_openai_error(server, payload, status, words):
     data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -206,6 +212,28 @@ def test_bad_input_gets_an_openai_error(server, payload, status, words):
     error = r.json()["error"]
     assert words in error["message"] and error["code"] == status
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_compress_prompt_field_cuts_the_prompt_and_reports_both_sizes(server, tiny):
+    """The opt-in field: the engine sees the compressed prompt, usage counts both (the served model's tokens)."""
+    from leanlm.compress.prompt import PromptCompressor
+
+    model, tok = tiny
+    c = client(server)
+    context = "the quick brown fox jumps over the lazy dog 42 times. hello world, hello there. " * 4
+    options = {"rate": 0.4, "question": "how many times?"}
+    r = c.completions.create(model=NAME, prompt=context, max_tokens=4, temperature=0,
+                             extra_body={"ignore_eos": True, "leanlm": {"compress_prompt": options}})
+    compressed = PromptCompressor(model=tiny).compress(context, rate=0.4, question="how many times?").text
+    assert r.usage.prompt_tokens == len(tok.encode(compressed)) < r.usage.original_prompt_tokens
+    assert r.usage.original_prompt_tokens == len(tok.encode(context)) and r.usage.compression_seconds > 0
+    assert r.choices[0].text == tok.decode(greedy(model, tok, compressed, 4))
+    chat = c.chat.completions.create(model=NAME, max_tokens=3, messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": context}],
+        extra_body={"leanlm": {"compress_prompt": {"rate": 0.5}}})
+    assert chat.usage.prompt_tokens < chat.usage.original_prompt_tokens
+    plain = c.completions.create(model=NAME, prompt=context, max_tokens=1)
+    assert plain.usage.prompt_tokens == len(tok.encode(context)) and "original_prompt_tokens" not in plain.usage.model_extra
 
 
 def test_api_key_metrics_and_health(server):

@@ -1,0 +1,375 @@
+"""Prompt compression: drop the tokens of a long prompt that a small causal LM finds predictable.
+
+LLMLingua (Jiang et al., arXiv 2310.05736): a budget controller splits the target between instruction, context
+and question; a coarse pass keeps whole units (documents, paragraphs) by perplexity; an iterative token-level pass
+scores each segment given the already-compressed prefix and keeps its least predictable tokens.
+LongLLMLingua (arXiv 2310.06839), when a question is given: units are ranked by the perplexity of the question
+given the unit, tokens by contrastive perplexity (how much more likely the question makes them).
+Baselines: Selective Context (Li et al., arXiv 2310.06201: self-information of words) and random dropping.
+
+Token counts are the scorer's. The text is cut at token boundaries, whitespace going with the token after it, so
+a dropped token takes its leading space along.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from leanlm.errors import LeanLMError
+
+METHODS = ("llmlingua", "selective", "random")
+NUMBER = r"\d+(?:[.,:]\d+)*"
+IDENTIFIER = r"\b[A-Za-z_]\w*(?=\()|\b[A-Za-z]*_\w*|\b[a-z]+[A-Z]\w*"  # called, snake_case, camelCase
+TINY = 16  # prompts of fewer tokens pass through unchanged
+UNIT_TOKENS = 256  # a longer paragraph is split into its lines for the coarse pass
+_RELEVANCE = " The answer to this question is in the text above."  # LongLLMLingua's restrictive statement
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """A compressed prompt and what it cost; token counts are the scorer's."""
+
+    text: str
+    original_tokens: int
+    compressed_tokens: int
+    seconds: float
+    method: str
+
+    @property
+    def ratio(self) -> float:
+        return self.original_tokens / max(self.compressed_tokens, 1)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+# ---- pure pieces ------------------------------------------------------------------------------------------------
+
+def split_units(text: str, count, max_tokens: int = UNIT_TOKENS) -> list[str]:
+    """Paragraphs (each with the blank lines after it); one of over `max_tokens` (by `count`) splits into lines.
+    The units concatenate back to `text`."""
+    units = []
+    for para in re.split(r"(?<=\n\n)(?=[^\n])", text):
+        units += para.splitlines(keepends=True) if count(para) > max_tokens else [para]
+    return [u for u in units if u]
+
+
+def budget(lengths: tuple[int, int, int], target: int, instruction_rate: float = 1.0,
+           question_rate: float = 1.0) -> tuple[int, int, int]:
+    """Tokens to keep of (instruction, context, question): the fixed-rate parts first, the context gets the rest."""
+    ins, ctx, que = lengths
+    keep_ins, keep_que = round(instruction_rate * ins), round(question_rate * que)
+    keep_ctx = target - keep_ins - keep_que
+    if keep_ctx < 0 or (keep_ctx == 0 and ctx):
+        raise LeanLMError(f"a target of {target} tokens leaves no room for the context after the instruction and "
+                          f"question ({keep_ins + keep_que} tokens); raise the rate or lower instruction_rate / "
+                          f"question_rate")
+    return keep_ins, min(keep_ctx, ctx), keep_que
+
+
+def coarse_select(scores: list[float], lengths: list[int], tokens: int, must: list[bool] | None = None) -> list[bool]:
+    """Keep the `must` units, then the highest-scoring others (earlier first on ties) until they hold `tokens`."""
+    keep = list(must) if must else [False] * len(scores)
+    tokens -= sum(n for n, k in zip(lengths, keep) if k)
+    for i in sorted(range(len(scores)), key=lambda i: (-scores[i], i)):
+        if tokens <= 0:
+            break
+        if not keep[i]:
+            keep[i] = True
+            tokens -= lengths[i]
+    return keep
+
+
+def cumulative(lengths: list[int], rates: list[float]):
+    """x -> how many of the first x tokens to keep, rounded, for parts of `lengths` laid end to end at `rates`
+    (rounding the running total, so that pieces add up to the whole)."""
+    offsets = list(itertools.accumulate([0] + lengths[:-1]))
+    return lambda x: round(sum(r * min(max(x - o, 0), n) for o, n, r in zip(offsets, lengths, rates)))
+
+
+def plan(lengths: list[int], rates: list[float], size: int) -> list[list[tuple[int, int, int]]]:
+    """Parts of `lengths` tokens laid end to end, cut into segments of `size`: per segment its pieces
+    (start, end, keep) in flat indices, one per part it touches, keeping each part's rate."""
+    kept = cumulative(lengths, rates)
+    offsets = list(itertools.accumulate([0] + lengths[:-1]))
+    total = sum(lengths)
+    segments = []
+    for a in range(0, total, size):
+        b = min(a + size, total)
+        bounds = [(max(a, o), min(b, o + n)) for o, n in zip(offsets, lengths)]
+        segments.append([(lo, hi, kept(hi) - kept(lo)) for lo, hi in bounds if lo < hi])
+    return segments
+
+
+def select(scores: torch.Tensor, k: int, forced: torch.Tensor) -> torch.Tensor:
+    """The forced entries and the k - #forced highest-scoring others (earlier first on ties)  # [n] -> [n] bool"""
+    keep = forced.clone()
+    free = (~forced).nonzero().flatten()
+    n = k - int(forced.sum())
+    if n > 0 and len(free):
+        keep[free[torch.sort(scores[free].float(), descending=True, stable=True).indices[:n]]] = True
+    return keep
+
+
+def forced_chars(text: str, force=(), numbers: bool = True, identifiers: bool = False) -> list[bool]:
+    """Which characters of `text` must survive: occurrences of the `force` strings, numbers, code identifiers."""
+    patterns = [re.escape(f) for f in force if f] + [NUMBER] * numbers + [IDENTIFIER] * identifiers
+    mask = [False] * len(text)
+    if patterns:
+        for m in re.finditer("|".join(f"(?:{p})" for p in patterns), text):
+            mask[m.start():m.end()] = [True] * (m.end() - m.start())
+    return mask
+
+
+def words(text: str, starts: list[int], ends: list[int]) -> list[int]:
+    """The word of each token: a new word starts at a token whose text starts with whitespace."""
+    ids, w = [], -1
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        w += i == 0 or (e > s and text[s].isspace())
+        ids.append(w)
+    return ids
+
+
+def join(pieces: list[str], keep: list[bool]) -> str:
+    """The kept pieces, with a space where dropped ones held whitespace and the kept would otherwise glue two words
+    together ("done\nCould" losing its "\n" becomes "done Could", not "doneCould")."""
+    out, gap = [], ""
+    for piece, k in zip(pieces, keep):
+        if not k:
+            gap += piece
+            continue
+        if out and piece[:1].isalnum() and not out[-1][-1:].isspace():
+            out.append(" " if re.search(r"\s", gap) else "")  # a space: a new token seldom, a line break always
+        out.append(piece)
+        gap = ""
+    return "".join(out)
+
+
+def selective_context(info: torch.Tensor, word_of: list[int], k: int, forced: torch.Tensor) -> torch.Tensor:
+    """Selective Context: keep whole words by self-information (the sum over their tokens), most informative first,
+    each that still fits in k tokens  # info [n] -> keep [n] bool"""
+    index = torch.tensor(word_of, dtype=torch.long)
+    n_words = int(index.max()) + 1 if len(index) else 0
+    score = torch.zeros(n_words).index_add_(0, index, info.float())
+    size = torch.bincount(index, minlength=n_words)
+    chosen = torch.zeros(n_words, dtype=torch.bool)
+    chosen[index[forced]] = True
+    left = k - int(size[chosen].sum())
+    for w in torch.sort(score.masked_fill(chosen, -math.inf), descending=True, stable=True).indices.tolist():
+        if left <= 0 or chosen[w]:
+            break
+        if size[w] <= left:
+            chosen[w] = True
+            left -= int(size[w])
+    return chosen[index]
+
+
+# ---- the scorer -------------------------------------------------------------------------------------------------
+
+def _nll(net, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """-log p(targets) from the hidden states that predict them, a chunk of rows at a time (vocabularies are big)
+    # hidden [n, H], targets [n] -> [n]"""
+    out = [torch.nn.functional.cross_entropy(net.logits(hidden[i:i + chunk]).float(), targets[i:i + chunk],
+                                             reduction="none") for i in range(0, len(targets), chunk)]
+    return torch.cat(out).cpu() if out else torch.zeros(0)
+
+
+class _Stream:
+    """The compressed prefix in a KV cache. `score(ids)` gives -log p of each token given the kept prefix (the
+    first token of all: inf, as nothing predicts it); `commit(kept)` appends what was kept, which runs through the
+    model with the next segment so that every cached token sits at its compressed position."""
+
+    def __init__(self, net, capacity: int, prefix: list[int] = ()):
+        from leanlm.cache.static import StaticCache
+
+        self.net = net
+        self.cache = StaticCache(net.config, 1, capacity, net.dtype, net.device)
+        self.pending = list(prefix)  # kept, not yet in the cache
+        self.tail = None  # the hidden state after the last cached token  # [H]
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        fed, p, start = self.pending + ids, len(self.pending), self.cache.length
+        if start + len(fed) > self.net.config.max_position:
+            raise LeanLMError(f"the prompt does not fit the scorer's context of {self.net.config.max_position} "
+                              "tokens even compressed; use a scorer with a longer context or a shorter prompt")
+        positions = torch.arange(start, start + len(fed), device=self.net.device)[None]
+        hidden = self.net.hidden(torch.tensor([fed], device=self.net.device), positions, self.cache)[0]
+        before = hidden[p - 1:-1] if p else hidden[:-1]  # the states that predict ids
+        if not p and self.tail is not None:
+            before = torch.cat([self.tail[None], before])
+        if p:
+            self.tail = hidden[p - 1]
+        self.cache.truncate(start + p)
+        self.pending = []
+        nll = _nll(self.net, before, torch.tensor(ids[len(ids) - len(before):], device=self.net.device))
+        return torch.cat([torch.full((len(ids) - len(nll),), math.inf), nll])
+
+    def commit(self, kept: list[int]) -> None:
+        self.pending += kept
+
+
+class PromptCompressor:
+    """A small causal LM that scores prompts for compression (load once, compress many)."""
+
+    def __init__(self, scorer: str = "smollm2-135m", dtype: str | None = None, device: str | None = "cpu",
+                 progress: bool = True, model=None):
+        if model is None:
+            from leanlm.api import load
+
+            model = load(scorer, dtype, device, progress=progress)
+        self.net, self.tok = model
+        self.name = scorer
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode_spans(text)[0])
+
+    @torch.inference_mode()
+    def compress(self, context: str | list[str], *, question: str = "", instruction: str = "",
+                 rate: float | None = 0.5, target_tokens: int | None = None, method: str = "llmlingua",
+                 force=(), keep_numbers: bool = True, keep_identifiers: bool = False, instruction_rate: float = 1.0,
+                 question_rate: float = 1.0, coarse: float = 2.0, segment: int = 200, seed: int = 0) -> Compressed:
+        """The prompt `instruction` + `context` + `question` (parts separated by a blank line) cut to `rate` of its
+        tokens, or to `target_tokens`. A list `context` is documents, each a unit of the coarse pass.
+        method: llmlingua (question-aware when given a question), selective (Selective Context) or random.
+        force: strings that must survive, as must numbers (keep_numbers) and code names (keep_identifiers).
+        coarse: the coarse pass keeps units worth `coarse` x the context's budget (0: none).
+        instruction_rate, question_rate: what those parts keep (1: verbatim)."""
+        if method not in METHODS:
+            raise LeanLMError(f"unknown compression method {method!r}; choose one of {', '.join(METHODS)}")
+        begin = time.perf_counter()
+        units = [u + "\n\n" for u in context] if isinstance(context, list) else split_units(context, self.count)
+        if question and units:
+            units[-1] = units[-1].rstrip("\n") + "\n\n"
+        parts = ([instruction + "\n\n"] if instruction else []) + units + ([question] if question else [])
+        ctx = list(range(bool(instruction), bool(instruction) + len(units)))
+        spans = [self.tok.encode_spans(p) for p in parts]
+        n = [len(ids) for ids, _ in spans]
+        total = sum(n)
+        if target_tokens is None:
+            if rate is None or not 0 < rate <= 1:
+                raise LeanLMError(f"rate must be in (0, 1], not {rate}")
+            target_tokens = round(rate * total)
+        if target_tokens <= 0 and total >= TINY:
+            raise LeanLMError(f"target_tokens must be positive, not {target_tokens}")
+        if total < TINY or target_tokens >= total:
+            return Compressed("".join(parts), total, total, time.perf_counter() - begin, "none")
+        n_ctx = sum(n[i] for i in ctx)
+        keep_ins, keep_ctx, keep_que = budget((n[0] if instruction else 0, n_ctx, n[-1] if question else 0),
+                                              target_tokens, instruction_rate, question_rate)
+        chars = [forced_chars(p, force, keep_numbers, keep_identifiers) for p in parts]
+        rate_of = {i: keep_ctx / n_ctx for i in ctx}
+        if method == "llmlingua" and coarse and len(units) > 1 and coarse * keep_ctx < n_ctx:
+            keep = coarse_select(self._unit_scores([spans[i][0] for i in ctx], question), [n[i] for i in ctx],
+                                 math.ceil(coarse * keep_ctx), [any(chars[i]) for i in ctx])
+            kept = [i for i, k in zip(ctx, keep) if k]
+            rate_of = {i: keep_ctx / sum(n[j] for j in kept) for i in kept}
+        if instruction:
+            rate_of[0] = keep_ins / n[0]
+        if question:
+            rate_of[len(parts) - 1] = keep_que / max(n[-1], 1)
+        order = sorted(rate_of)
+        # the parts that remain, laid end to end: token ids, spans in their part, forced flags
+        ids = [t for i in order for t in spans[i][0]]
+        cuts = [(i, s, e) for i in order for s, e in zip([0] + spans[i][1][:-1], spans[i][1])]
+        # the blank lines between the prompt's parts and documents keep its layout
+        separated = set([0] * bool(instruction) + (ctx if isinstance(context, list) else ctx[-1:] * bool(question)))
+        forced = torch.tensor([any(chars[i][c] and not parts[i][c].isspace() for c in range(s, e))
+                               or (i in separated and e > len(parts[i]) - 2) for i, s, e in cuts], dtype=torch.bool)
+        segments = plan([n[i] for i in order], [rate_of[i] for i in order], segment)
+        if method == "llmlingua":
+            keep = self._token_pass(ids, forced, segments, question)
+        else:
+            kept, groups, lo = cumulative([n[i] for i in order], [rate_of[i] for i in order]), [], 0
+            for role in ([0] if instruction else [], [i for i in order if i in ctx], [len(parts) - 1] if question else []):
+                hi = lo + sum(n[i] for i in role)
+                groups.append((lo, hi, kept(hi) - kept(lo)))
+                lo = hi
+            keep = self._baseline(ids, forced, groups, [parts[i][s:e] for i, s, e in cuts], method, seed)
+        text = join([parts[i][s:e] for i, s, e in cuts], keep.tolist())
+        return Compressed(text, total, self.count(text), time.perf_counter() - begin, method)
+
+    def _unit_scores(self, units: list[list[int]], question: str) -> list[float]:
+        """Higher is more worth keeping: the unit's perplexity (LLMLingua), or with a question the negative
+        perplexity of the question given the unit (LongLLMLingua)."""
+        if not question:
+            return [nll.mean().item() for nll in self._batch_nll(units, [1] * len(units))]
+        q = self.tok.encode_spans(question + _RELEVANCE)[0]
+        return [-nll.mean().item() for nll in self._batch_nll([u + q for u in units], [len(u) for u in units])]
+
+    def _batch_nll(self, seqs: list[list[int]], starts: list[int], tokens: int = 4096) -> list[torch.Tensor]:
+        """-log p of seq[start:] given what comes before, for each sequence (its last `max_position` tokens), run
+        in batches of about `tokens` tokens, right-padded: causal attention never sees the padding after a row."""
+        limit = self.net.config.max_position
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        out: list = [None] * len(seqs)
+        i = 0
+        while i < len(order):
+            j = i + 1
+            while j < len(order) and (j + 1 - i) * min(len(seqs[order[j]]), limit) <= tokens:
+                j += 1
+            rows = [seqs[k][-limit:] for k in order[i:j]]
+            width = max(len(r) for r in rows)
+            batch = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.net.device)
+            hidden = self.net.hidden(batch, torch.arange(width, device=self.net.device)[None].expand_as(batch))
+            for b, k in enumerate(order[i:j]):
+                s = max(starts[k] - (len(seqs[k]) - len(rows[b])), 1)
+                out[k] = _nll(self.net, hidden[b, s - 1:len(rows[b]) - 1], batch[b, s:len(rows[b])])
+            i = j
+        return out
+
+    def _token_pass(self, ids, forced, segments, question) -> torch.Tensor:
+        """LLMLingua's iterative pass: segment by segment, each scored given the kept prefix; with a question,
+        by contrastive perplexity (-log p without the question minus -log p with it in front)."""
+        plain = _Stream(self.net, len(ids) + 1)
+        asked = None
+        if question:
+            q = self.tok.encode_spans(question + "\n\n")[0]
+            asked = _Stream(self.net, len(ids) + len(q) + 1, q)
+        keep = torch.ones(len(ids), dtype=torch.bool)
+        for pieces in segments:
+            a, b = pieces[0][0], pieces[-1][1]
+            if any(k < hi - lo for lo, hi, k in pieces):
+                score = plain.score(ids[a:b])
+                if asked is not None:
+                    score = torch.where(score.isinf(), score, score - asked.score(ids[a:b]))
+                for lo, hi, k in pieces:
+                    keep[lo:hi] = select(score[lo - a:hi - a], k, forced[lo:hi] | score[lo - a:hi - a].isinf())
+            kept = [t for t, k in zip(ids[a:b], keep[a:b].tolist()) if k]
+            for stream in (plain, asked):
+                if stream is not None:
+                    stream.commit(kept)
+        return keep
+
+    def _baseline(self, ids, forced, groups, text, method, seed) -> torch.Tensor:
+        """Selective Context or random dropping over each group (instruction, context, question) at once, keeping
+        as many tokens as the token pass would."""
+        if method == "random":
+            score = torch.rand(len(ids), generator=torch.Generator().manual_seed(seed))
+        else:
+            limit = self.net.config.max_position
+            windows = [ids[a:a + limit] for a in range(0, len(ids), limit)]
+            score = torch.cat([torch.cat([torch.full((1,), 1e9), nll])  # a window's first token: unpredicted
+                               for nll in self._batch_nll(windows, [1] * len(windows))])
+            ends = list(itertools.accumulate(len(t) for t in text))
+            word_of = words("".join(text), [0] + ends[:-1], ends)
+        keep = torch.zeros(len(ids), dtype=torch.bool)
+        for lo, hi, k in groups:
+            if lo == hi:
+                continue
+            if method == "random":
+                keep[lo:hi] = select(score[lo:hi], k, forced[lo:hi])
+            else:
+                keep[lo:hi] = selective_context(score[lo:hi], [w - word_of[lo] for w in word_of[lo:hi]], k,
+                                                forced[lo:hi])
+        return keep
+
+
+def compress_prompt(context: str | list[str], *, scorer: str = "smollm2-135m", **options) -> Compressed:
+    """Compress a prompt with a small scorer model (PromptCompressor.compress has the options)."""
+    return PromptCompressor(scorer, progress=False).compress(context, **options)

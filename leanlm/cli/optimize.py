@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -77,8 +78,13 @@ def optimize(
     mixed = not quick if mixed is None else mixed
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("optimize", total=len(variants) + 2 * mixed)
-        outcome = run(model, variants, limits, settings, output,
-                      status=lambda text: bar.update(task, description=text),
+
+        def status(text: str) -> None:  # a log (stderr not a terminal) gets each step as a line
+            bar.update(task, description=text)
+            if not err.is_terminal:
+                err.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False)
+
+        outcome = run(model, variants, limits, settings, output, status=status,
                       on_row=lambda row: bar.advance(task), ray_address=ray,
                       mixed=mixed)
     for name, why in outcome.failed.items():

@@ -218,6 +218,7 @@ def test_optimize_cli_prints_the_table_and_the_serve_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "f32 *" in proc.stdout and f"leanlm serve {tmp_path / 'out' / 'recommended'} --compile --dtype float32" in proc.stdout
     assert json.loads((tmp_path / "out" / "results.json").read_text())["recommended"] == 0
+    assert "f32: quality" in proc.stderr and "f32: timing" in proc.stderr  # a log sees each step (not a terminal)
 
 
 def test_serve_commands_follow_the_variant_and_drafts_come_from_the_zoo():

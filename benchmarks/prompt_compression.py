@@ -2,18 +2,18 @@
 
     python benchmarks/prompt_compression.py [--tasks 12] [--context-tokens 2048] [--target qwen2.5-coder-0.5b]
 
-Tasks from the project's own texts, with the answer somewhere in a long context:
-- play: 'Complete this line of the play: "<its first half>' over a window of a play of the evaluation split; right
-  when the reply holds the next three words.
-- code: "Complete the return statement of the function F: return" over a Python standard-library module; right
-  when the reply holds the returned expression.
-(Attribution questions, "who says <line>?", were tried first: qwen2.5-coder 0.5b and 1.5b got 0 of 4-5 right with
-the full prompt, so they could not show what compression loses.)
-The target model (greedy, its chat template) answers each with the full prompt, then with the prompt compressed
-2x, 3x, 5x and 10x by LLMLingua (question-aware: LongLLMLingua), Selective Context and random token dropping, each
-scored by the default zoo model. Reported: accuracy, agreement with the full-prompt answer, compression time, the
-target's time to first token, end-to-end latency; then the break-even: compression time against the prefill time it
-saves, at prompt lengths 256 to 4096, and the length from which compressing pays on this CPU.
+Tasks from the project's own texts, with the answer somewhere in a long context, scored as multiple choice (the
+candidate the target finds most likely after the prompt, by mean log-probability per token, as evaluation
+harnesses score choices):
+- play: 'Who says "<line>"?' over a window of a play of the evaluation split; the choices are the speakers in it.
+- code: "What does the function F return?" over a window of a Python standard-library module; the choices are the
+  expressions its functions return.
+(Generated answers were tried first: qwen2.5-coder 0.5b and 1.5b named the speaker 0 times in 4-5 with the full
+prompt, and line completion, which they could do half the time, is lost by dropping any token of the line.)
+The target (its chat template) reads each prompt in full, then compressed 2x, 3x, 5x and 10x by LLMLingua,
+LongLLMLingua, Selective Context and random token dropping, each scored by the default zoo model. Reported:
+accuracy, the answer's log-probability against the full prompt's, compression time and the target's prefill; then
+the break-even: compression time against the prefill time it saves at prompt lengths 256 to 4096.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ from leanlm.api import load
 from leanlm.compress.prompt import PromptCompressor
 from leanlm.eval.datasets import EVALUATION_FILES, corpus_dir
 from leanlm.generation.decode import prefill
-from leanlm.generation.sampling import SamplingParams
-from leanlm.generation.text import encode_prompt, stream_rows
+from leanlm.generation.text import encode_prompt
 
 RATIOS = (2, 3, 5, 10)
-METHODS = ("llmlingua", "selective", "random")
+METHODS = ("llmlingua", "longllmlingua", "selective", "random")
 MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "calendar", "statistics", "base64", "heapq", "glob",
            "colorsys", "string", "bisect", "difflib", "ipaddress", "fractions", "tokenize")
-PLAY_INSTRUCTION = "Read this excerpt of a play, then complete the line quoted after it as the play has it."
-CODE_INSTRUCTION = "Read this Python module, then complete the line of code after it as the module has it."
+PLAY_INSTRUCTION = "Read this excerpt of a play, then answer the question after it with the speaker's name."
+CODE_INSTRUCTION = "Read this Python code, then answer the question after it with the returned expression."
+SPEAKER = re.compile(r"^([A-Z][A-Z .']+)\.\n(?:\[.*?\]\s*)?([^\n\[]+)", re.M)
 err = Console(stderr=True)
 
 
@@ -55,15 +55,11 @@ class Task:
     context: str
     question: str
     answer: str
-
-    def correct(self, reply: str) -> bool:
-        squash = lambda s: re.sub(r"[\s`'\"]", "", s).lower()  # noqa: E731
-        return squash(self.answer) in squash(reply)
+    choices: list[str]
 
 
 def play_tasks(n: int, chars: int, rng: random.Random) -> list[Task]:
-    """'Complete this line: "<first half>' over `chars` characters of a play (cut at paragraph starts); the answer
-    is the next three words."""
+    """'Who says "<first line of a speech>"?' over `chars` characters of a play (cut at paragraph starts)."""
     tasks = []
     plays = [(corpus_dir() / f).read_text() for f in EVALUATION_FILES]
     while len(tasks) < n:
@@ -71,19 +67,20 @@ def play_tasks(n: int, chars: int, rng: random.Random) -> list[Task]:
         start = text.index("\n\n", rng.randrange(len(text) // 10, len(text) - chars)) + 2
         window = text[start:start + chars]
         window = window[:window.rindex("\n\n") + 2]
-        lines = [line for line in window.splitlines() if len(line.split()) >= 8 and window.count(line) == 1
-                 and not line.isupper() and "[" not in line]
-        if lines:
-            words = rng.choice(lines).split()
-            cut = len(words) // 2
-            tasks.append(Task("play", PLAY_INSTRUCTION, window, f'Complete this line of the play: "{" ".join(words[:cut])}',
-                              " ".join(words[cut:cut + 3]).strip(",;:.!?")))
+        speakers = sorted({m.group(1).strip() for m in SPEAKER.finditer(window)})
+        speeches = [m for m in SPEAKER.finditer(window)
+                    if len(m.group(2).split()) >= 5 and window.count(m.group(2)) == 1 and "ALL" not in m.group(1)]
+        if speeches and len(speakers) >= 3:
+            m = rng.choice(speeches)
+            tasks.append(Task("play", PLAY_INSTRUCTION, window, f'Who says "{m.group(2).strip()}"?',
+                              m.group(1).strip(), speakers))
     return tasks
 
 
 def code_tasks(n: int, chars: int, rng: random.Random) -> list[Task]:
-    """'Complete the return statement of F' for a top-level function whose one return statement ends its body, in a window of
-    `chars` characters of its module (whole lines) that holds the whole function."""
+    """'What does F return?' for a top-level function whose one return statement ends its body, in a window of
+    `chars` characters of its module (whole lines) that holds the whole function; the choices are what the
+    functions in the window return."""
     candidates = []
     for name in MODULES:
         source = (Path(sysconfig.get_paths()["stdlib"]) / f"{name}.py").read_text()
@@ -94,10 +91,10 @@ def code_tasks(n: int, chars: int, rng: random.Random) -> list[Task]:
             if len(returns) == 1 and returns[0] is node.body[-1] and returns[0].value is not None:
                 expr = ast.get_source_segment(source, returns[0].value)
                 if 6 <= len(expr) <= 60 and "\n" not in expr and not node.name.startswith("_"):
-                    candidates.append((source, lines, node, expr))
+                    candidates.append((source, tree, lines, node, expr))
     rng.shuffle(candidates)
     tasks = []
-    for source, lines, node, expr in candidates:
+    for source, tree, lines, node, expr in candidates:
         offset = lambda lineno: sum(len(x) for x in lines[:lineno - 1])  # noqa: E731
         fn_start, fn_end = offset(node.lineno), offset(node.end_lineno + 1)
         if fn_end - fn_start > chars // 3 or len(tasks) == n:
@@ -105,31 +102,45 @@ def code_tasks(n: int, chars: int, rng: random.Random) -> list[Task]:
         begin = max(0, fn_start - rng.randrange(0, max(1, chars - (fn_end - fn_start))))
         begin = source.rfind("\n", 0, begin) + 1  # whole lines
         end = max(fn_end, source.rfind("\n", 0, begin + chars) + 1)
-        tasks.append(Task("code", CODE_INSTRUCTION, source[begin:end],
-                          f"Complete the return statement of the function {node.name}: return", expr))
+        choices = sorted({ast.get_source_segment(source, r.value) for r in ast.walk(tree)
+                          if isinstance(r, ast.Return) and r.value is not None
+                          and begin <= offset(r.lineno) < end and r.lineno == r.end_lineno})
+        if len(choices) >= 3:
+            tasks.append(Task("code", CODE_INSTRUCTION, source[begin:end],
+                              f"What does the function {node.name} return?", expr, choices))
     return tasks
 
 
 class Target:
-    """The answering model: greedy replies with their time to first token and end-to-end time."""
+    """The answering model: which choice it finds most likely after a prompt, and how long its prefill took."""
 
-    def __init__(self, name: str, max_tokens: int):
+    def __init__(self, name: str):
         self.net, self.tok = load(name, progress=True)
-        self.params = SamplingParams(temperature=0, max_tokens=max_tokens)
 
-    def answer(self, prompt: str) -> tuple[str, float, float, int]:
-        """(reply, TTFT s, end-to-end s, prompt tokens)"""
-        start, first = time.perf_counter(), None
-        messages = [{"role": "user", "content": prompt}]
-        for item in stream_rows(self.net, self.tok, [messages], self.params, chat=True):
-            if first is None:
-                first = time.perf_counter() - start
-            if isinstance(item, list):
-                completion = item[0]
-        return completion.text, first, time.perf_counter() - start, len(completion.prompt_tokens)
+    def ids(self, prompt: str) -> list[int]:
+        return encode_prompt(self.tok, [{"role": "user", "content": prompt}], True)
+
+    @torch.inference_mode()
+    def choose(self, prompt: str, choices: list[str]) -> tuple[list[float], float, int]:
+        """(mean log-probability per token of each choice as the reply, prefill seconds, prompt tokens)"""
+        ids = self.ids(prompt)
+        encoded = [self.tok.encode(c, add_special_tokens=False) for c in choices]
+        start = time.perf_counter()
+        last, cache = prefill(self.net, [ids], max(len(c) for c in encoded))
+        seconds = time.perf_counter() - start
+        scores = []
+        for c in encoded:
+            cache.truncate(len(ids))
+            logits = [last[0]]
+            if len(c) > 1:
+                positions = torch.arange(len(ids), len(ids) + len(c) - 1)[None]
+                logits += list(self.net(torch.tensor([c[:-1]]), positions, cache)[0])
+            logp = torch.log_softmax(torch.stack(logits).float(), -1)
+            scores.append(logp[torch.arange(len(c)), torch.tensor(c)].mean().item())
+        return scores, seconds, len(ids)
 
     def prefill_seconds(self, text: str) -> float:
-        ids = encode_prompt(self.tok, [{"role": "user", "content": text}], True)
+        ids = self.ids(text)
         start = time.perf_counter()
         with torch.inference_mode():
             prefill(self.net, [ids], 1)
@@ -142,36 +153,41 @@ def wait_quiet() -> None:
         time.sleep(5)
 
 
-def full_prompt(task: Task) -> str:
-    return f"{task.instruction}\n\n{task.context.rstrip()}\n\n{task.question}"
-
-
 def accuracy(tasks: list[Task], scorer: PromptCompressor, target: Target) -> None:
-    rows = {}  # (method, ratio) -> list of (correct, agrees, compress s, ttft, e2e, tokens)
+    rows = {}  # (method, ratio) -> [(right, answer's log p - the full prompt's, compress s, prefill s, tokens, kind)]
     for t, task in enumerate(tasks):
-        wait_quiet()
-        full, ttft, e2e, tokens = target.answer(full_prompt(task))
-        rows.setdefault(("full", 1), []).append((task.correct(full), True, 0.0, ttft, e2e, tokens))
-        err.print(f"[dim]task {t + 1}/{len(tasks)} ({task.kind}, {tokens} tokens): full -> {full.strip()[:40]!r} "
-                  f"(want {task.answer!r})[/]")
+        truth = task.choices.index(task.answer)
+        prompts = [("full", 1, f"{task.instruction}\n\n{task.context.rstrip()}\n\n{task.question}", 0.0)]
         for method in METHODS:
             for ratio in RATIOS:
                 wait_quiet()
                 c = scorer.compress(task.context.rstrip(), question=task.question, instruction=task.instruction,
                                     rate=1 / ratio, method=method, seed=t)
-                reply, ttft, e2e, tokens = target.answer(c.text)
-                rows.setdefault((method, ratio), []).append(
-                    (task.correct(reply), reply.strip() == full.strip(), c.seconds, ttft, e2e + c.seconds, tokens))
-    table = Table(title=f"answers of {len(tasks)} tasks ({', '.join(sorted({t.kind for t in tasks}))}), "
-                        f"context ~{sum(r[5] for r in rows[('full', 1)]) // len(tasks)} target tokens")
-    for col in ("method", "ratio", "prompt tokens", "accuracy", "agrees with full", "compress s", "TTFT s",
-                "end-to-end s (with compression)"):
+                prompts.append((method, ratio, c.text, c.seconds))
+        for method, ratio, prompt, seconds in prompts:
+            wait_quiet()
+            scores, prefill_s, tokens = target.choose(prompt, task.choices)
+            if method == "full":
+                base = scores[truth]
+            right = max(range(len(scores)), key=scores.__getitem__) == truth
+            rows.setdefault((method, ratio), []).append((right, scores[truth] - base, seconds, prefill_s, tokens,
+                                                         task.kind))
+        err.print(f"[dim]task {t + 1}/{len(tasks)} ({task.kind}, {rows[('full', 1)][-1][4]} tokens, "
+                  f"{len(task.choices)} choices): full {'right' if rows[('full', 1)][-1][0] else 'wrong'}[/]")
+    kinds = sorted({t.kind for t in tasks})
+    table = Table(title=f"{len(tasks)} tasks ({', '.join(f'{sum(t.kind == k for t in tasks)} {k}' for k in kinds)}), "
+                        f"context ~{sum(r[4] for r in rows[('full', 1)]) // len(tasks)} target tokens; accuracy as "
+                        f"multiple choice (chance ~{sum(1 / len(t.choices) for t in tasks) / len(tasks):.0%})")
+    for col in ("method", "ratio", "prompt tokens", "accuracy", *(f"{k} accuracy" for k in kinds),
+                "answer log p vs full", "compress s", "target prefill s", "compress + prefill s"):
         table.add_column(col, justify="right")
     for (method, ratio), r in rows.items():
-        mean = lambda i: sum(x[i] for x in r) / len(r)  # noqa: E731
-        table.add_row(method, f"{ratio}x" if ratio > 1 else "-", f"{mean(5):.0f}", f"{mean(0):.0%}", f"{mean(1):.0%}",
-                      f"{mean(2):.2f}", f"{mean(3):.2f}", f"{mean(4):.2f}")
-    Console(width=200).print(table)
+        mean = lambda i, rs=r: sum(x[i] for x in rs) / len(rs)  # noqa: E731
+        by_kind = [mean(0, [x for x in r if x[5] == k]) for k in kinds]
+        table.add_row(method, f"{ratio}x" if ratio > 1 else "-", f"{mean(4):.0f}", f"{mean(0):.0%}",
+                      *(f"{a:.0%}" for a in by_kind), f"{mean(1):+.2f}", f"{mean(2):.2f}", f"{mean(3):.2f}",
+                      f"{mean(2) + mean(3):.2f}")
+    Console(width=220).print(table)
 
 
 def break_even(scorer: PromptCompressor, target: Target, rng: random.Random) -> None:
@@ -185,7 +201,7 @@ def break_even(scorer: PromptCompressor, target: Target, rng: random.Random) -> 
     ids = target.tok.encode(task.context)
     contexts = {n: target.tok.decode(ids[:n]) for n in lengths}
     full = {n: target.prefill_seconds(contexts[n] + "\n\n" + task.question) for n in lengths}
-    for method in ("llmlingua", "selective"):
+    for method in ("llmlingua", "longllmlingua", "selective"):
         for ratio in (2, 5):
             cells, net = [], []
             for n in lengths:
@@ -216,7 +232,6 @@ def main() -> None:
     ap.add_argument("--context-tokens", type=int, default=2048, help="about this many tokens of context a task")
     ap.add_argument("--target", default="qwen2.5-coder-0.5b", help="the answering model")
     ap.add_argument("--scorer", default="smollm2-135m", help="the compressing model")
-    ap.add_argument("--max-tokens", type=int, default=24, help="reply tokens")
     ap.add_argument("--no-break-even", action="store_true", help="skip the break-even table")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -224,8 +239,8 @@ def main() -> None:
     rng = random.Random(0)
     chars = args.context_tokens * 4  # English and Python run about 4 characters a token
     tasks = play_tasks(args.tasks - args.tasks // 2, chars, rng) + code_tasks(args.tasks // 2, chars, rng)
-    scorer, target = PromptCompressor(args.scorer), Target(args.target, args.max_tokens)
-    target.answer("warm up")
+    scorer, target = PromptCompressor(args.scorer), Target(args.target)
+    target.prefill_seconds("warm up")
     accuracy(tasks, scorer, target)
     if not args.no_break_even:
         break_even(scorer, target, rng)

@@ -145,13 +145,15 @@ def compress_prompt(
     text: Annotated[Optional[str], typer.Argument(help="the prompt's context (or --file)")] = None,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="read the context from this file ('-': "
                                                                       "standard input)")] = None,
-    question: Annotated[str, typer.Option(help="asked after the context and kept whole; it makes the compression "
-                                               "question-aware (LongLLMLingua)")] = "",
+    question: Annotated[str, typer.Option(help="asked after the context and kept whole; it ranks the context's "
+                                               "units (LongLLMLingua)")] = "",
     instruction: Annotated[str, typer.Option(help="put before the context and kept whole")] = "",
     rate: Annotated[float, typer.Option(help="fraction of the prompt's tokens to keep (0.5: 2x, 0.2: 5x)")] = 0.5,
     target_tokens: Annotated[Optional[int], typer.Option(help="tokens to keep (instead of --rate)")] = None,
-    method: Annotated[str, typer.Option(help="llmlingua (coarse units, then tokens given the compressed prefix), "
-                                             "selective (Selective Context, the baseline) or random")] = "llmlingua",
+    method: Annotated[str, typer.Option(help="llmlingua (units, question-aware with --question, then tokens by "
+                                             "perplexity given the compressed prefix), longllmlingua (tokens by "
+                                             "contrastive perplexity against --question), selective (Selective "
+                                             "Context, the baseline) or random")] = "llmlingua",
     scorer: Annotated[str, typer.Option(help="the small model that scores tokens: zoo name or directory")]
         = "smollm2-135m",
     force: Annotated[Optional[list[str]], typer.Option(help="a string that must survive (repeat the option for "

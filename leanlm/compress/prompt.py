@@ -3,8 +3,9 @@
 LLMLingua (Jiang et al., arXiv 2310.05736): a budget controller splits the target between instruction, context
 and question; a coarse pass keeps whole units (documents, paragraphs) by perplexity; an iterative token-level pass
 scores each segment given the already-compressed prefix and keeps its least predictable tokens.
-LongLLMLingua (arXiv 2310.06839), when a question is given: units are ranked by the perplexity of the question
-given the unit, tokens by contrastive perplexity (how much more likely the question makes them).
+With a question, units are ranked as LongLLMLingua (arXiv 2310.06839) ranks them, by the perplexity of the question
+given the unit; method "longllmlingua" also scores tokens by its contrastive perplexity (how much more likely the
+question makes them), which keeps what the question names and drops what it asks for (a speaker, a return value).
 Baselines: Selective Context (Li et al., arXiv 2310.06201: self-information of words) and random dropping.
 
 Token counts are the scorer's. The text is cut at token boundaries, whitespace going with the token after it, so
@@ -23,7 +24,7 @@ import torch
 
 from leanlm.errors import LeanLMError
 
-METHODS = ("llmlingua", "selective", "random")
+METHODS = ("llmlingua", "longllmlingua", "selective", "random")
 NUMBER = r"\d+(?:[.,:]\d+)*"
 IDENTIFIER = r"\b[A-Za-z_]\w*(?=\()|\b[A-Za-z]*_\w*|\b[a-z]+[A-Z]\w*"  # called, snake_case, camelCase
 TINY = 16  # prompts of fewer tokens pass through unchanged
@@ -214,6 +215,30 @@ class _Stream:
         self.pending += kept
 
 
+class _Prompt:
+    """The prompt's parts in order: the instruction, the context's units, the question, each but the question
+    ending in a blank line; `ctx`: the units' indices; `separated`: parts whose closing blank line must survive."""
+
+    def __init__(self, context: str | list[str], instruction: str, question: str, count):
+        units = [u + "\n\n" for u in context] if isinstance(context, list) else split_units(context, count)
+        if question and units:
+            units[-1] = units[-1].rstrip("\n") + "\n\n"
+        self.parts = ([instruction + "\n\n"] if instruction else []) + units + ([question] if question else [])
+        self.ctx = list(range(bool(instruction), bool(instruction) + len(units)))
+        documents = self.ctx if isinstance(context, list) else self.ctx[-1:] * bool(question)
+        self.separated = set([0] * bool(instruction) + documents)
+
+
+def _groups(roles: list[list[int]], n: list[int], kept) -> list[tuple[int, int, int]]:
+    """(start, end, keep) of each role's parts laid end to end, `kept(x)` the running keep count."""
+    groups, lo = [], 0
+    for parts in roles:
+        hi = lo + sum(n[i] for i in parts)
+        groups.append((lo, hi, kept(hi) - kept(lo)))
+        lo = hi
+    return groups
+
+
 class PromptCompressor:
     """A small causal LM that scores prompts for compression (load once, compress many)."""
 
@@ -233,22 +258,25 @@ class PromptCompressor:
     def compress(self, context: str | list[str], *, question: str = "", instruction: str = "",
                  rate: float | None = 0.5, target_tokens: int | None = None, method: str = "llmlingua",
                  force=(), keep_numbers: bool = True, keep_identifiers: bool = False, instruction_rate: float = 1.0,
-                 question_rate: float = 1.0, coarse: float = 2.0, segment: int = 200, seed: int = 0) -> Compressed:
+                 question_rate: float = 1.0, coarse: float = 2.0, segment: int = 200, whole_words: bool = True,
+                 seed: int = 0) -> Compressed:
         """The prompt `instruction` + `context` + `question` (parts separated by a blank line) cut to `rate` of its
         tokens, or to `target_tokens`. A list `context` is documents, each a unit of the coarse pass.
-        method: llmlingua (question-aware when given a question), selective (Selective Context) or random.
+        method: llmlingua (units ranked by the question's perplexity given them when there is a question, tokens by
+        perplexity), longllmlingua (the same units, tokens by contrastive perplexity against the question),
+        selective (Selective Context) or random.
         force: strings that must survive, as must numbers (keep_numbers) and code names (keep_identifiers).
         coarse: the coarse pass keeps units worth `coarse` x the context's budget (0: none).
-        instruction_rate, question_rate: what those parts keep (1: verbatim)."""
+        instruction_rate, question_rate: what those parts keep (1: verbatim).
+        whole_words: the token pass keeps or drops whole words, by the sum of their tokens' scores, as Selective
+        Context does (dropping a word's middle piece garbles it); False: single tokens, as LLMLingua does."""
         if method not in METHODS:
             raise LeanLMError(f"unknown compression method {method!r}; choose one of {', '.join(METHODS)}")
+        if method == "longllmlingua" and not question:
+            raise LeanLMError("longllmlingua scores tokens against a question: give one, or use llmlingua")
         begin = time.perf_counter()
-        units = [u + "\n\n" for u in context] if isinstance(context, list) else split_units(context, self.count)
-        if question and units:
-            units[-1] = units[-1].rstrip("\n") + "\n\n"
-        parts = ([instruction + "\n\n"] if instruction else []) + units + ([question] if question else [])
-        ctx = list(range(bool(instruction), bool(instruction) + len(units)))
-        spans = [self.tok.encode_spans(p) for p in parts]
+        p = _Prompt(context, instruction, question, self.count)
+        spans = [self.tok.encode_spans(part) for part in p.parts]
         n = [len(ids) for ids, _ in spans]
         total = sum(n)
         if target_tokens is None:
@@ -258,40 +286,38 @@ class PromptCompressor:
         if target_tokens <= 0 and total >= TINY:
             raise LeanLMError(f"target_tokens must be positive, not {target_tokens}")
         if total < TINY or target_tokens >= total:
-            return Compressed("".join(parts), total, total, time.perf_counter() - begin, "none")
-        n_ctx = sum(n[i] for i in ctx)
+            return Compressed("".join(p.parts), total, total, time.perf_counter() - begin, "none")
+        n_ctx = sum(n[i] for i in p.ctx)
         keep_ins, keep_ctx, keep_que = budget((n[0] if instruction else 0, n_ctx, n[-1] if question else 0),
                                               target_tokens, instruction_rate, question_rate)
-        chars = [forced_chars(p, force, keep_numbers, keep_identifiers) for p in parts]
-        rate_of = {i: keep_ctx / n_ctx for i in ctx}
-        if method == "llmlingua" and coarse and len(units) > 1 and coarse * keep_ctx < n_ctx:
-            keep = coarse_select(self._unit_scores([spans[i][0] for i in ctx], question), [n[i] for i in ctx],
-                                 math.ceil(coarse * keep_ctx), [any(chars[i]) for i in ctx])
-            kept = [i for i, k in zip(ctx, keep) if k]
-            rate_of = {i: keep_ctx / sum(n[j] for j in kept) for i in kept}
+        chars = [forced_chars(part, force, keep_numbers, keep_identifiers) for part in p.parts]
+        kept = p.ctx
+        if method.endswith("llmlingua") and coarse and len(p.ctx) > 1 and coarse * keep_ctx < n_ctx:
+            keep = coarse_select(self._unit_scores([spans[i][0] for i in p.ctx], question), [n[i] for i in p.ctx],
+                                 math.ceil(coarse * keep_ctx), [any(chars[i]) for i in p.ctx])
+            kept = [i for i, k in zip(p.ctx, keep) if k]
+        rate_of = {i: keep_ctx / sum(n[j] for j in kept) for i in kept}
         if instruction:
             rate_of[0] = keep_ins / n[0]
         if question:
-            rate_of[len(parts) - 1] = keep_que / max(n[-1], 1)
+            rate_of[len(p.parts) - 1] = keep_que / n[-1]
         order = sorted(rate_of)
-        # the parts that remain, laid end to end: token ids, spans in their part, forced flags
+        # the parts that remain, end to end: token ids, each token's span in its part, which must survive
         ids = [t for i in order for t in spans[i][0]]
         cuts = [(i, s, e) for i in order for s, e in zip([0] + spans[i][1][:-1], spans[i][1])]
-        # the blank lines between the prompt's parts and documents keep its layout
-        separated = set([0] * bool(instruction) + (ctx if isinstance(context, list) else ctx[-1:] * bool(question)))
-        forced = torch.tensor([any(chars[i][c] and not parts[i][c].isspace() for c in range(s, e))
-                               or (i in separated and e > len(parts[i]) - 2) for i, s, e in cuts], dtype=torch.bool)
-        segments = plan([n[i] for i in order], [rate_of[i] for i in order], segment)
-        if method == "llmlingua":
-            keep = self._token_pass(ids, forced, segments, question)
+        forced = torch.tensor([any(chars[i][c] and not p.parts[i][c].isspace() for c in range(s, e))
+                               or (i in p.separated and e > len(p.parts[i]) - 2) for i, s, e in cuts], dtype=torch.bool)
+        lengths, rates = [n[i] for i in order], [rate_of[i] for i in order]
+        pieces = [p.parts[i][s:e] for i, s, e in cuts]
+        ends = list(itertools.accumulate(len(t) for t in pieces))
+        word_of = words("".join(pieces), [0] + ends[:-1], ends)
+        if method.endswith("llmlingua"):
+            keep = self._token_pass(ids, forced, plan(lengths, rates, segment),
+                                    question if method == "longllmlingua" else "", word_of if whole_words else None)
         else:
-            kept, groups, lo = cumulative([n[i] for i in order], [rate_of[i] for i in order]), [], 0
-            for role in ([0] if instruction else [], [i for i in order if i in ctx], [len(parts) - 1] if question else []):
-                hi = lo + sum(n[i] for i in role)
-                groups.append((lo, hi, kept(hi) - kept(lo)))
-                lo = hi
-            keep = self._baseline(ids, forced, groups, [parts[i][s:e] for i, s, e in cuts], method, seed)
-        text = join([parts[i][s:e] for i, s, e in cuts], keep.tolist())
+            roles = [[0] if instruction else [], [i for i in order if i in p.ctx], [len(p.parts) - 1] if question else []]
+            keep = self._baseline(ids, forced, _groups(roles, n, cumulative(lengths, rates)), word_of, method, seed)
+        text = join(pieces, keep.tolist())
         return Compressed(text, total, self.count(text), time.perf_counter() - begin, method)
 
     def _unit_scores(self, units: list[list[int]], question: str) -> list[float]:
@@ -323,9 +349,10 @@ class PromptCompressor:
             i = j
         return out
 
-    def _token_pass(self, ids, forced, segments, question) -> torch.Tensor:
+    def _token_pass(self, ids, forced, segments, question, word_of) -> torch.Tensor:
         """LLMLingua's iterative pass: segment by segment, each scored given the kept prefix; with a question,
-        by contrastive perplexity (-log p without the question minus -log p with it in front)."""
+        by contrastive perplexity (-log p without the question minus -log p with it in front); whole words
+        (`word_of`: each token's) or single tokens kept."""
         plain = _Stream(self.net, len(ids) + 1)
         asked = None
         if question:
@@ -339,14 +366,16 @@ class PromptCompressor:
                 if asked is not None:
                     score = torch.where(score.isinf(), score, score - asked.score(ids[a:b]))
                 for lo, hi, k in pieces:
-                    keep[lo:hi] = select(score[lo - a:hi - a], k, forced[lo:hi] | score[lo - a:hi - a].isinf())
+                    s, must = score[lo - a:hi - a], forced[lo:hi] | score[lo - a:hi - a].isinf()
+                    keep[lo:hi] = select(s, k, must) if word_of is None else \
+                        selective_context(s.clamp(max=1e9), [w - word_of[lo] for w in word_of[lo:hi]], k, must)
             kept = [t for t, k in zip(ids[a:b], keep[a:b].tolist()) if k]
             for stream in (plain, asked):
                 if stream is not None:
                     stream.commit(kept)
         return keep
 
-    def _baseline(self, ids, forced, groups, text, method, seed) -> torch.Tensor:
+    def _baseline(self, ids, forced, groups, word_of, method, seed) -> torch.Tensor:
         """Selective Context or random dropping over each group (instruction, context, question) at once, keeping
         as many tokens as the token pass would."""
         if method == "random":
@@ -356,8 +385,6 @@ class PromptCompressor:
             windows = [ids[a:a + limit] for a in range(0, len(ids), limit)]
             score = torch.cat([torch.cat([torch.full((1,), 1e9), nll])  # a window's first token: unpredicted
                                for nll in self._batch_nll(windows, [1] * len(windows))])
-            ends = list(itertools.accumulate(len(t) for t in text))
-            word_of = words("".join(text), [0] + ends[:-1], ends)
         keep = torch.zeros(len(ids), dtype=torch.bool)
         for lo, hi, k in groups:
             if lo == hi:

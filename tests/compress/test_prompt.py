@@ -161,9 +161,11 @@ def test_forced_strings_and_numbers_survive(compressor, method):
 def test_question_instruction_and_documents(compressor):
     docs = ["the quick brown fox jumps over the lazy dog " * 3, "hello world, hello there " * 3,
             "def f(x): return x + 1 " * 3]
-    out = compressor.compress(docs, question="what does f return?", instruction="answer briefly", rate=0.4)
-    assert out.text.startswith("answer briefly\n\n") and out.text.endswith("\n\nwhat does f return?")
-    assert abs(out.compressed_tokens / out.original_tokens - 0.4) <= 0.04
+    for method in ("llmlingua", "longllmlingua"):
+        out = compressor.compress(docs, question="what does f return?", instruction="answer briefly", rate=0.4,
+                                  method=method)
+        assert out.text.startswith("answer briefly\n\n") and out.text.endswith("\n\nwhat does f return?")
+        assert abs(out.compressed_tokens / out.original_tokens - 0.4) <= 0.04
 
 
 def test_a_tiny_or_empty_prompt_passes_through(compressor):
@@ -176,6 +178,8 @@ def test_a_tiny_or_empty_prompt_passes_through(compressor):
 def test_bad_options_fail_clearly(compressor):
     with pytest.raises(LeanLMError, match="unknown compression method"):
         compressor.compress(TEXT, method="zip")
+    with pytest.raises(LeanLMError, match="give one, or use llmlingua"):
+        compressor.compress(TEXT, method="longllmlingua")
     with pytest.raises(LeanLMError, match="rate must be in"):
         compressor.compress(TEXT, rate=1.5)
     with pytest.raises(LeanLMError, match="target_tokens must be positive"):

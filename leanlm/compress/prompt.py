@@ -5,7 +5,7 @@ and question; a coarse pass keeps whole units (documents, paragraphs) by perplex
 scores each segment given the already-compressed prefix and keeps its least predictable tokens.
 With a question, units are ranked as LongLLMLingua (arXiv 2310.06839) ranks them, by the perplexity of the question
 given the unit; method "longllmlingua" also scores tokens by its contrastive perplexity (how much more likely the
-question makes them), which keeps what the question names and drops what it asks for (a speaker, a return value).
+question makes them).
 Baselines: Selective Context (Li et al., arXiv 2310.06201: self-information of words) and random dropping.
 
 Token counts are the scorer's. The text is cut at token boundaries, whitespace going with the token after it, so

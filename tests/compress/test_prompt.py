@@ -152,6 +152,15 @@ def test_meets_the_rate_and_is_deterministic(compressor, method, rate):
     assert (again.text, again.compressed_tokens) == (out.text, out.compressed_tokens)
 
 
+def test_single_token_selection_meets_the_rate_and_drops_pieces_of_words(compressor):
+    words_out = compressor.compress(TEXT, rate=0.5, keep_numbers=False)
+    tokens_out = compressor.compress(TEXT, rate=0.5, keep_numbers=False, whole_words=False)
+    assert abs(tokens_out.compressed_tokens / tokens_out.original_tokens - 0.5) <= 0.05
+    vocabulary = set(TEXT.split())
+    assert set(words_out.text.split()) <= vocabulary  # whole words only
+    assert not set(tokens_out.text.split()) <= vocabulary  # fragments
+
+
 @pytest.mark.parametrize("method", ["llmlingua", "selective", "random"])
 def test_forced_strings_and_numbers_survive(compressor, method):
     out = compressor.compress(TEXT, rate=0.4, method=method, force=("lazy",))

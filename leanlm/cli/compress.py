@@ -164,9 +164,9 @@ def compress_prompt(
     as_json: Annotated[bool, typer.Option("--json", help="print a JSON object: the text, token counts, ratio, "
                                                          "seconds")] = False,
 ) -> None:
-    """Compress a long prompt by dropping the tokens a small model finds predictable (LLMLingua; question-aware
-    LongLLMLingua with --question). Prints the compressed prompt; the ratio goes to stderr. Token counts are the
-    scorer's."""
+    """Compress a long prompt by dropping the words a small model finds predictable (LLMLingua; with --question its
+    units are ranked against the question, as LongLLMLingua does). Prints the compressed prompt; the ratio goes to
+    stderr. Token counts are the scorer's."""
     import sys
 
     from leanlm.cli.common import err

@@ -76,7 +76,8 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
         ppl, agree = score(net, ids, None if net is ref else ref, progress=progress)
         sparsity, pattern = decoder_sparsity(net)
         rows.append(Compared(
-            model=name, **sizes(net, resolve(name, progress=False)), perplexity=ppl.perplexity, kl=agree.kl if agree else 0.0, top1=agree.top1 if agree else 1.0,
+            model=name, **sizes(net, resolve(name, progress=False)), perplexity=ppl.perplexity,
+            kl=agree.kl if agree else 0.0, top1=agree.top1 if agree else 1.0,
             tokens=ppl.tokens, sparsity=sparsity, pattern=pattern, lm_head=lm_head_kind(net)))
     return rows
 

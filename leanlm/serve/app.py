@@ -186,12 +186,16 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
         if app.state.active >= max_requests:
             return fail(f"server busy: {max_requests} requests in progress", 503, "server_error",
                         {"Retry-After": "1"})
-        usage = {}
-        if body.leanlm and body.leanlm.compress_prompt:
-            prompts, usage = await compression.apply(body.leanlm.compress_prompt, prompts, chat, tok)
-        run = _Run(llm, metrics, prompts, params, chat, done)
+        app.state.active += 1  # from here: a request waiting on prompt compression counts against max_requests too
+        try:
+            usage = {}
+            if body.leanlm and body.leanlm.compress_prompt:
+                prompts, usage = await compression.apply(body.leanlm.compress_prompt, prompts, chat, tok)
+            run = _Run(llm, metrics, prompts, params, chat, done)
+        except BaseException:  # not admitted after all (a _Run that raises never calls done)
+            app.state.active -= 1
+            raise
         run.compression = usage
-        app.state.active += 1
         metrics.prompt_tokens.inc(run.prompt_tokens)
         return run
 

@@ -1,6 +1,7 @@
 """Prompt compression: the pure pieces against their definitions, then the whole pipeline on a tiny model."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_select_keeps_forced_then_the_top_scores_with_earlier_first_on_ties():
 def test_forced_chars_cover_force_strings_numbers_and_identifiers():
     text = "call parse_line(x) at 10:30, fooBar and KEEP"
     mask = forced_chars(text, force=("KEEP",), numbers=True, identifiers=True)
-    marked = {text[m.start():m.end()] for m in __import__("re").finditer(r"\S+", text) if all(
+    marked = {text[m.start():m.end()] for m in re.finditer(r"\S+", text) if all(
         mask[i] for i in range(m.start(), m.end()) if text[i].isalnum())}
     assert {"10:30,", "fooBar", "KEEP"} <= marked and "parse_line(x)" not in marked
     assert all(mask[text.index("parse_line"):text.index("parse_line") + 10])

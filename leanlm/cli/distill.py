@@ -55,6 +55,11 @@ def distill(
                                                               "(less memory, ~1.3x the time)")] = False,
     logit_cache: Annotated[Optional[Path], typer.Option(help="topk, slim: keep the teacher's top-k logits of each "
                                                              "step here, so later runs skip the teacher")] = None,
+    on_policy: Annotated[float, typer.Option(help="share of the windows whose second half the student samples "
+                                                  "itself (GKD's on-policy lambda, 0 to 1)")] = 0.0,
+    prune_to: Annotated[Optional[float], typer.Option(help="prune while training: each projection row's sparsity "
+                                                           "at the end, by magnitude on a cubic schedule")] = None,
+    prune_end: Annotated[float, typer.Option(help="with --prune-to: the share of the run by which it is reached")] = 0.75,
     qat: Annotated[Optional[str], typer.Option(help="quantization-aware training for w8, w8a8 or w4g128 (w4g64, "
                                                     "w4g32): saved in leanlm's quantized format")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run whose checkpoint is in -o DIR")] = False,
@@ -76,8 +81,8 @@ def distill(
     from leanlm.compress.distill.trainer import DistillConfig, Trainer, plot_history
     from leanlm.compress.quant import format as qformat
     from leanlm.compress.sparse.save import read_record, save_float
-    from leanlm.compress.registry import merge_records, renumber_layers
-    from leanlm.compress.sparse.masks import note_pruning
+    from leanlm.compress.registry import decoder_linears, merge_records, renumber_layers
+    from leanlm.compress.sparse.masks import layer_record, note_pruning
     from leanlm.compress.sparse.structured import drop_layers
     from leanlm.eval.datasets import load_text
     from leanlm.models.zoo import resolve
@@ -93,7 +98,8 @@ def distill(
     qat_config = None if qat is None else QAT.parse(qat)
     config = DistillConfig(loss=loss, temperature=temperature, top_k=top_k, lr=lr, batch_size=batch_size,
                            seq_len=seq_len, grad_accum=grad_accum, steps=steps, tokens=tokens, minutes=minutes,
-                           eval_every=eval_every, eval_tokens=eval_tokens, gradient_checkpointing=gradient_checkpointing)
+                           eval_every=eval_every, eval_tokens=eval_tokens, gradient_checkpointing=gradient_checkpointing,
+                           on_policy=on_policy, prune_to=prune_to, prune_end=prune_end)
     teacher_net, tok = load(teacher, "bfloat16", "cpu")
     source = resolve(student or student_from)
     student_net, _ = load(source, "float32", "cpu")
@@ -112,6 +118,11 @@ def distill(
         trainer.load_checkpoint(output)
     history = trainer.run()
     final = history.evals[-1]
+    if prune_to is not None:  # pruned while training: the record says so, as `leanlm prune`'s would
+        pruned = {name: layer_record(linear.weight, None) for name, linear in decoder_linears(student_net)}
+        pruning = {"recipe": [*pruning.get("recipe", []), {"method": "gradual_magnitude", "sparsity": prune_to,
+                                                           "during": "distill"}],
+                   "layers": merge_records(pruning.get("layers", {}), pruned)}
     # a pruned student's pruning.json goes along (its sparsity stays true); the run itself goes to distill.json
     if qat_config is None:
         save_float(student_net.to(torch.bfloat16).eval(), source, output, pruning or None)

@@ -3,8 +3,10 @@
 Small enough for a 2-core CPU: float32 master weights with bf16 autocast for the products, AdamW with linear
 warm-up then cosine decay, gradient accumulation, optional gradient checkpointing, a budget in steps, tokens or
 minutes, evaluation (perplexity and KL to the teacher) at intervals, and checkpoints that resume bit for bit
-(the windows of step s are drawn from a generator seeded by s; nothing else is random). A pruned student keeps
-its zeros: the masks are re-applied after every optimizer step (sparse fine-tuning).
+(the windows of step s are drawn from a generator seeded by s, and so are the student's own samples; nothing else
+is random). A pruned student keeps its zeros: the masks are re-applied after every optimizer step (sparse
+fine-tuning). `prune_to` prunes while training instead (gradual magnitude pruning), and `on_policy` trains a share
+of the windows on the student's own continuations (GKD's on-policy fraction).
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from torch.utils.checkpoint import checkpoint
 
 from leanlm.compress.distill import losses
 from leanlm.compress.registry import decoder_linears
+from leanlm.compress.sparse.masks import check_sparsity, row_mask
 from leanlm.errors import LeanLMError
 from leanlm.eval.datasets import calibration_samples
 from leanlm.eval.perplexity import score
+from leanlm.generation.decode import generate_ids
+from leanlm.generation.sampling import SamplingParams
 
 # name -> loss(student logits, teacher logits, labels, config); labels are the next tokens of the text
 LOSSES = {
@@ -65,6 +70,10 @@ class DistillConfig:
     gradient_checkpointing: bool = False
     autocast: bool = True  # bf16 products (float32 master weights and sums)
     seed: int = 0
+    on_policy: float = 0.0  # GKD's lambda: the share of windows whose second half the student samples itself
+    prune_to: float | None = None  # gradual magnitude pruning: each row's sparsity at the end of the schedule
+    prune_end: float = 0.75  # the fraction of the run by which prune_to is reached (the rest recovers)
+    prune_every: int = 10  # steps between two pruning rounds
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -75,6 +84,12 @@ class DistillConfig:
             raise LeanLMError("batch_size and grad_accum must be at least 1, seq_len at least 2")
         if self.steps is None and self.tokens is None and self.minutes is None:
             raise LeanLMError("give a budget: steps, tokens or minutes")
+        if not 0.0 <= self.on_policy <= 1.0:
+            raise LeanLMError(f"on_policy={self.on_policy} is a share of the windows: give a value in [0, 1]")
+        if self.prune_to is not None:
+            check_sparsity(self.prune_to)
+            if not 0.0 < self.prune_end <= 1.0 or self.prune_every < 1:
+                raise LeanLMError("prune_end must lie in (0, 1] and prune_every be at least 1")
 
     @property
     def tokens_per_step(self) -> int:
@@ -103,6 +118,14 @@ def learning_rate(step: int, total: int, warmup: int, peak: float) -> float:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def gradual_sparsity(step: int, total: int, final: float, end: float = 0.75) -> float:
+    """Zhu & Gupta's cubic schedule (https://arxiv.org/abs/1710.01878) from 0 at step 0 to `final` at step
+    end * total, held after: s = final * (1 - (1 - step / (end * total))^3), fast early while many weights are
+    redundant, slow as the rest grow important."""
+    progress = min(1.0, step / max(1.0, end * total))
+    return final * (1.0 - (1.0 - progress) ** 3)
 
 
 def sparsity_masks(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -141,6 +164,7 @@ class Trainer:
         self.logit_cache = None if logit_cache is None else Path(logit_cache)
         student.float().train().requires_grad_(True)
         self.masks = sparsity_masks(student)
+        self.sparsity = 0.0  # what gradual pruning has reached
         self.params = [p for p in student.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay)
@@ -149,7 +173,18 @@ class Trainer:
     def batch(self, step: int, micro: int) -> torch.Tensor:
         """The windows of one micro-batch: drawn from a generator seeded by (seed, step, micro)  # [B, T + 1]"""
         seed = (self.config.seed * 1_000_003 + step) * 1009 + micro
-        return calibration_samples(self.train_ids, self.config.batch_size, self.config.seq_len + 1, seed)
+        tokens = calibration_samples(self.train_ids, self.config.batch_size, self.config.seq_len + 1, seed)
+        if self.config.on_policy and torch.rand(1, generator=torch.Generator().manual_seed(seed)).item() < \
+                self.config.on_policy:
+            tokens = self.student_continues(tokens, seed)
+        return tokens
+
+    def student_continues(self, tokens: torch.Tensor, seed: int) -> torch.Tensor:
+        """The windows' first halves, each continued by the student's own samples (temperature 1)  # [B, T + 1]"""
+        half = tokens.shape[1] // 2
+        params = SamplingParams(temperature=1.0, max_tokens=tokens.shape[1] - half, seed=seed, ignore_eos=True)
+        new = list(generate_ids(self.student, tokens[:, :half].tolist(), params))
+        return torch.cat([tokens[:, :half], torch.tensor(new).T], dim=1)
 
     def teacher_logits(self, inputs: torch.Tensor, positions: torch.Tensor, key: str):
         """The teacher's logits [B, T, V] on inputs [B, T], or for the top-k losses its (values, indices) [B, T, k],
@@ -193,6 +228,10 @@ class Trainer:
             loss.backward()
             total += loss.item()
         self.optimizer.step()
+        if c.prune_to is not None:
+            steps = self.total or c.warmup + 1
+            if self.step % c.prune_every == 0 or self.step + 1 >= c.prune_end * steps:  # the last rounds hit it
+                self.prune(gradual_sparsity(self.step + 1, steps, c.prune_to, c.prune_end))
         with torch.no_grad():
             for name, mask in self.masks.items():
                 self.student.get_submodule(name).weight.masked_fill_(mask, 0)
@@ -202,6 +241,17 @@ class Trainer:
         self.history.tokens += c.tokens_per_step
         self.step += 1
         return total
+
+    def prune(self, sparsity: float) -> None:
+        """Every decoder projection's rows down to `sparsity` by magnitude (the zeros of earlier rounds are the
+        lowest |w| and stay pruned); the masks then hold through the optimizer steps until the next round."""
+        if sparsity <= self.sparsity:
+            return
+        with torch.no_grad():
+            for name, linear in decoder_linears(self.student):
+                mask = row_mask(linear.weight.abs(), sparsity)
+                self.masks[name] = mask | self.masks[name] if name in self.masks else mask  # a pruned student's too
+        self.sparsity = sparsity
 
     def evaluate(self) -> dict:
         """Perplexity of the student and its KL to the teacher on the first eval_tokens of eval_ids."""
@@ -262,7 +312,7 @@ class Trainer:
                 moments[f"{i}.{key}"] = value.reshape(1) if value.dim() == 0 else value
         save_file(moments, str(path / "optimizer.safetensors"))
         state = {"step": self.step, "total": self.total, "config": asdict(self.config),
-                 "history": asdict(self.history)}
+                 "history": asdict(self.history), "sparsity": self.sparsity}
         (path / "trainer.json").write_text(json.dumps(state))
 
     def load_checkpoint(self, out: Path) -> None:
@@ -288,6 +338,7 @@ class Trainer:
                 self.optimizer.state[p] = entry
         self.step, self.history = state["step"], History(**state["history"])
         self.total = self.config.total_steps() or state["total"]
+        self.masks, self.sparsity = sparsity_masks(self.student), state.get("sparsity", 0.0)
 
 
 @contextmanager

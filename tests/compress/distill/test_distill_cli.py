@@ -73,6 +73,20 @@ def test_qat_saves_a_quantized_model_that_keeps_its_pruning(tiny_dir, tmp_path):
     assert abs(decoder_sparsity(model)[0] - 0.5) < 0.01
 
 
+def test_pruning_while_distilling_saves_the_sparsity_and_says_so(tiny_dir, tmp_path):
+    from leanlm.compress.sparse.masks import decoder_sparsity
+
+    out = tmp_path / "gmp"
+    r = leanlm("distill", "--teacher", tiny_dir, "--student", tiny_dir, "--prune-to", "0.5", "--on-policy", "0.5",
+               "--data", _text(tmp_path), "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "128",
+               "--steps", "3", "-o", out)
+    assert r.returncode == 0, r.stderr
+    record = json.loads((out / "pruning.json").read_text())
+    assert record["recipe"][-1] == {"method": "gradual_magnitude", "sparsity": 0.5, "during": "distill"}
+    assert all(rec["sparsity"] == 0.5 for rec in record["layers"].values())
+    assert decoder_sparsity(load_model(out, torch.float32))[0] == 0.5
+
+
 def test_bad_input_is_one_clear_line(tiny_dir, tmp_path):
     r = leanlm("distill", "--teacher", tiny_dir, "--steps", "1", "-o", tmp_path / "x")
     assert r.returncode != 0 and "--student" in r.stderr and "Traceback" not in r.stderr

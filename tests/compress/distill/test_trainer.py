@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tests.conftest import make_hf_model
-from leanlm.compress.distill.trainer import LOSSES, DistillConfig, Trainer, learning_rate, plot_history
+from leanlm.compress.distill.trainer import (LOSSES, DistillConfig, Trainer, gradual_sparsity, learning_rate,
+                                             plot_history)
+from leanlm.compress.registry import decoder_linears
 from leanlm.errors import LeanLMError
 from leanlm.models.loading import load_model
 
@@ -53,18 +55,19 @@ def test_every_loss_trains_a_step(dirs, loss):
     assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
 
 
-def test_a_resumed_run_continues_bit_for_bit(dirs, tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"prune_to": 0.5, "prune_every": 2, "on_policy": 0.5}])
+def test_a_resumed_run_continues_bit_for_bit(dirs, tmp_path, extra):
     teacher, student = _models(dirs)
-    Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2)).run(progress=False)
+    Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2, **extra)).run(progress=False)
     straight = [p.detach().clone() for p in student.parameters()]
 
     teacher, student = _models(dirs)
-    first = Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2), out=tmp_path)
+    first = Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2, **extra), out=tmp_path)
     while first.step < 3:
         first.train_step()
     first.save_checkpoint(tmp_path)
     teacher, student = _models(dirs)
-    second = Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2), out=tmp_path)
+    second = Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2, **extra), out=tmp_path)
     second.load_checkpoint(tmp_path)
     assert second.step == 3 and len(second.history.loss) == 3
     second.run(progress=False)
@@ -80,6 +83,43 @@ def test_a_pruned_student_keeps_its_zeros(dirs):
         w[:, ::2] = 0
     Trainer(teacher, student, IDS, None, _config(steps=3)).run(progress=False)
     assert (w[:, ::2] == 0).all() and (w[:, 1::2] != 0).all()
+
+
+def test_the_pruning_schedule_is_cubic_from_zero_to_the_target():
+    s = [gradual_sparsity(step, 100, 0.6, end=0.5) for step in range(101)]
+    assert s[0] == 0.0 and s[50] == s[100] == 0.6 and all(a <= b for a, b in zip(s, s[1:]))
+    assert s[25] == pytest.approx(0.6 * (1 - 0.5 ** 3))  # fast early: 7/8 of the way at half the schedule
+
+
+def test_gradual_pruning_reaches_the_target_in_every_row(dirs):
+    teacher, student = _models(dirs)
+    trainer = Trainer(teacher, student, IDS, None, _config(steps=8, prune_to=0.5, prune_every=2, prune_end=0.5))
+    first = trainer.train_step()
+    assert 0 < trainer.sparsity < 0.5
+    assert first == Trainer(*_models(dirs), IDS, None, _config(steps=8)).train_step()  # the loss, pruned after
+    trainer.run(progress=False)
+    for _, linear in decoder_linears(student):
+        assert ((linear.weight == 0).sum(1) == linear.weight.shape[1] // 2).all()
+
+
+def test_gradual_pruning_keeps_a_pruned_students_zeros(dirs):
+    teacher, student = _models(dirs)
+    w = student.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        w[:, ::2] = 0  # 50% already
+    Trainer(teacher, student, IDS, None, _config(steps=4, prune_to=0.75, prune_every=1)).run(progress=False)
+    assert (w[:, ::2] == 0).all() and ((w == 0).sum(1) >= 0.75 * w.shape[1]).all()
+
+
+def test_on_policy_windows_are_the_texts_start_and_the_students_continuation(dirs):
+    teacher, student = _models(dirs)
+    trainer = Trainer(teacher, student, IDS, None, _config(on_policy=1.0))
+    text = Trainer(teacher, student, IDS, None, _config()).batch(0, 0)
+    mixed = trainer.batch(0, 0)
+    half = text.shape[1] // 2
+    assert mixed.shape == text.shape and torch.equal(mixed[:, :half], text[:, :half])
+    assert not torch.equal(mixed[:, half:], text[:, half:]) and torch.equal(mixed, trainer.batch(0, 0))
+    assert trainer.train_step() > 0
 
 
 def test_gradient_checkpointing_computes_the_same_step(dirs):
@@ -104,6 +144,10 @@ def test_bad_settings_are_refused(dirs, tmp_path):
         _config(loss="mse")
     with pytest.raises(LeanLMError, match="budget"):
         DistillConfig()
+    with pytest.raises(LeanLMError, match="on_policy"):
+        _config(on_policy=1.5)
+    with pytest.raises(LeanLMError, match="sparsity"):
+        _config(prune_to=1.0)
     with pytest.raises(LeanLMError, match="no checkpoint"):
         Trainer(teacher, student, IDS, None, _config()).load_checkpoint(tmp_path)
     other = tmp_path / "other"

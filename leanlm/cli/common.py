@@ -60,6 +60,13 @@ def _method_configs(method: str | None, recipe, options: dict, default: str | No
     return [make_config(method or default, {k: v for k, v in options.items() if v is not None})]
 
 
+def _with_teacher(configs: list, source) -> list:
+    """A distill step that names no teacher learns from the model the recipe starts from."""
+    from dataclasses import replace
+
+    return [replace(c, teacher=str(source)) if c.name == "distill" and c.teacher is None else c for c in configs]
+
+
 def _check_run(output, samples: int, seq_len: int) -> None:
     """A compress verb's output must be new and its calibration sizes positive."""
     if output.exists():

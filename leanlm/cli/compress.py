@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from leanlm.cli.common import (Compact, DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs,
-                               app, out)
+                               _with_teacher, app, out)
 
 
 @app.command()
@@ -60,6 +60,7 @@ def quantize(
         configs.append(make_config("lm_head", {"bits": lm_head, "group_size": group_size or 128}))
     _check_run(output, samples, seq_len)
     source = resolve(model)
+    configs = _with_teacher(configs, source)
     if qformat.is_quantized(source):
         _fail(f"{model} is already quantized; start from the float model")
     net, tok = load(source, dtype, "cpu")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from leanlm.cli.common import (Compact, DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs,
-                               app, out)
+                               _with_teacher, app, out)
 
 
 @app.command()
@@ -61,6 +61,7 @@ def prune(
     configs = _method_configs(method, recipe, options)
     _check_run(output, samples, seq_len)
     source = resolve(model)
+    configs = _with_teacher(configs, source)
     if qformat.is_quantized(source):
         _fail(f"{model} is quantized; prune the float model (and quantize after, or with sparsegpt --bits)")
     net, tok = load(source, dtype, "cpu")

@@ -18,7 +18,7 @@ _HANDLERS: dict[type, Callable] = {}
 MODULES = ("leanlm.compress.quant.rtn", "leanlm.compress.quant.gptq", "leanlm.compress.quant.awq",
            "leanlm.compress.quant.smoothquant", "leanlm.compress.quant.llm_int8",
            "leanlm.compress.sparse.structured", "leanlm.compress.sparse.magnitude", "leanlm.compress.sparse.wanda",
-           "leanlm.compress.sparse.sparsegpt", "leanlm.compress.sparse.taylor")
+           "leanlm.compress.sparse.sparsegpt", "leanlm.compress.sparse.taylor", "leanlm.compress.distill.step")
 
 
 def register(config_cls: type) -> Callable:

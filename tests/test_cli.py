@@ -143,6 +143,21 @@ def test_speculative_generate_and_bench(tiny_dir):
         assert key in report
 
 
+def test_bench_speculative_on_given_prompts(tiny_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello world"}\n{"messages": [{"role": "user", "content": "the quick fox"}]}\n')
+    r = leanlm("bench", tiny_dir, "--draft", tiny_dir, "--prompts", prompts, "--new-tokens", "6", "--threads", "1",
+               "--dtype", "float32", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["prompts"] == 2 and report["acceptance"] == 1.0  # the target drafting for itself
+    r = leanlm("bench", tiny_dir, "--prompts", prompts, "--threads", "1")
+    assert r.returncode == 2 and "--draft" in r.stderr and "Traceback" not in r.stderr
+    prompts.write_text("not json\n")
+    r = leanlm("bench", tiny_dir, "--draft", tiny_dir, "--prompts", prompts, "--threads", "1")
+    assert r.returncode == 2 and "line 1" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_draft_with_another_tokenizer_is_refused(tiny_dir, tmp_path_factory):
     from tests.conftest import make_hf_model, make_tokenizer
 

@@ -56,9 +56,10 @@ def compare(target: Transformer, tokenizer: Tokenizer, prompts: list[str], param
 
 
 def speculation(target: Transformer, tokenizer: Tokenizer, params: SamplingParams, k: int,
-                draft: Transformer | None = None, ngram: int = 3) -> dict:
-    """compare() where each proposer can pay: a draft model on code prompts, or prompt lookup (n-grams up to
-    `ngram`) on input-grounded prompts."""
+                draft: Transformer | None = None, ngram: int = 3, prompts: list | None = None) -> dict:
+    """compare() where each proposer can pay unless `prompts` (texts or chats) are given: a draft model on code
+    prompts, or prompt lookup (n-grams up to `ngram`) on input-grounded prompts."""
     if draft is not None:
-        return compare(target, tokenizer, CODE_PROMPTS, params, lambda max_len: DraftProposer(draft, max_len + k + 1, params), k)
-    return compare(target, tokenizer, grounded_prompts(), params, lambda max_len: LookupProposer(ngram=ngram), k)
+        return compare(target, tokenizer, prompts or CODE_PROMPTS, params,
+                       lambda max_len: DraftProposer(draft, max_len + k + 1, params), k)
+    return compare(target, tokenizer, prompts or grounded_prompts(), params, lambda max_len: LookupProposer(ngram=ngram), k)

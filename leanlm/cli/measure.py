@@ -128,6 +128,9 @@ def bench(
     num_speculative: Annotated[Optional[int], typer.Option(help="tokens proposed per target forward (default: chosen)")] = None,
     prompt_lookup: Annotated[Optional[int], typer.Option(help="benchmark prompt lookup (n-grams up to N, plain flag: 3) "
                                                               "on input-grounded prompts")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(help="with --draft or --prompt-lookup: these prompts instead "
+                                                         "(JSONL, {\"prompt\": ...} or {\"messages\": [...]} a "
+                                                         "line, as generate --file), each a chat")] = None,
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Measure TTFT, TPOT, tokens/s, GB/s, MBU and prefill MFU of MODEL (or speculative decoding statistics)."""
@@ -137,9 +140,22 @@ def bench(
     for name, value in (("prompt-tokens", prompt_tokens), ("new-tokens", new_tokens), ("batch", batch)):
         if value < 1:
             _fail(f"--{name} must be at least 1")
+    if prompts is not None and not (draft or prompt_lookup):
+        _fail("--prompts is for speculative decoding: give --draft or --prompt-lookup too")
+    chats = None
+    if prompts is not None:
+        from leanlm.engine.jsonl import read_requests
+        from leanlm.errors import LeanLMError
+        from leanlm.generation.sampling import SamplingParams
+
+        try:
+            chats = read_requests(prompts, SamplingParams())[0]
+        except LeanLMError as e:
+            _fail(str(e))
     net, tok, threads = _load(model, dtype, device, threads, quiet=json_)
     if draft or prompt_lookup:
-        return _bench_speculative(net, tok, model, draft, prompt_lookup, num_speculative, new_tokens, json_, dtype, device, threads)
+        return _bench_speculative(net, tok, model, draft, prompt_lookup, num_speculative, new_tokens, json_, dtype,
+                                  device, threads, chats)
     if check_fits(net, prompt_tokens, new_tokens) < new_tokens:
         _fail(f"--prompt-tokens + --new-tokens exceeds the context window ({net.config.max_position})")
     r = run_bench(net, model, prompt_tokens, new_tokens, batch, refresh_probe=refresh_probe, compiled=compile)
@@ -156,7 +172,7 @@ def bench(
     out.print(f"peaks measured here: {r.peak_bandwidth_gbs:.1f} GB/s, {r.peak_gflops:.0f} GFLOP/s ({r.dtype} matmul)")
 
 
-def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtype, device, threads) -> None:
+def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtype, device, threads, prompts) -> None:
     from leanlm.bench.speculative import speculation
     from leanlm.generation.sampling import SamplingParams
     from leanlm.generation.speculative import resolve_k
@@ -164,7 +180,7 @@ def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtyp
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     draft_net = _load_draft(draft, tok, dtype, device, threads) if draft else None
     k = resolve_k(net, draft_net, k)
-    r = speculation(net, tok, params, k, draft_net, ngram)
+    r = speculation(net, tok, params, k, draft_net, ngram, prompts)
     r.update(model=model, draft=draft, prompt_lookup=ngram, threads=threads, dtype=str(net.dtype).removeprefix("torch."))
     if json_:
         print(json.dumps(r))

@@ -7,9 +7,9 @@ structured pruning buys in decode speed; one set of tables per model.
 Calibration: --samples windows of --seq-len tokens from the built-in calibration split (calibration_samples,
 seed 0: the windows `leanlm prune` takes), written once to a safetensors file that both leanlm and the peer read.
 Evaluation: leanlm's perplexity on the first --max-tokens of the built-in evaluation split (windows 1024, stride
-512, bf16), the same for every row, the peer's models included. Every variant is made in a fresh process (peak
-RSS from os.wait4; "prune s" is the method alone, loading and saving left out) and cached under
-$LEANLM_CACHE/bench-prune/ with its measurements (delete that folder to re-measure).
+512, bf16), the same for every row, the peer's models included. Every variant is made in a fresh process (its
+peak RSS is its own VmHWM; "prune s" is the method alone, loading and saving left out) and cached under
+$LEANLM_CACHE/bench-prune/ with its measurements and perplexity (delete that folder to re-measure).
 
 Settings, the same on both sides: bf16 weights, every decoder projection pruned (embeddings and lm_head dense),
 50% per output row or 2:4 along the input dimension. SparseGPT: block 128, dampening 0.01 x mean diag(H), layer
@@ -57,6 +57,7 @@ def child(model: str, method: str, options: dict, calibration: str, output: str,
     from leanlm.compress.sparse.save import save_float
     from leanlm.fetch import atomic_dir
     from leanlm.models.zoo import resolve
+    from leanlm.runtime import peak_rss_mb
 
     torch.set_num_threads(threads)
     config = make_config(method, options)
@@ -67,26 +68,23 @@ def child(model: str, method: str, options: dict, calibration: str, output: str,
     seconds = time.perf_counter() - start
     with atomic_dir(Path(output)) as tmp:
         save_float(net, resolve(model), tmp, {"recipe": [{"method": method, **options}]})
-    print(json.dumps({"seconds": seconds}))
+    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))  # not wait4's: it carries the parent's peak
 
 
 def measured(cmd: list[str], out: Path) -> dict:
-    """Run a process that writes the model `out` and prints {"seconds": ...} last; add its peak RSS (os.wait4);
-    keep the result next to `out`, so a later run reuses both."""
+    """Run a process that writes the model `out` and prints {"seconds": ..., "peak_mb": ...} last; keep the
+    result next to `out`, so a later run reuses both."""
     record = out.parent / f"{out.name}.json"
     if out.exists() and record.exists():
         return json.loads(record.read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     wait_quiet()
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, cwd="/tmp")
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        done = subprocess.run(cmd, stdout=stdout, stderr=stderr, text=True, cwd="/tmp")
         stdout.seek(0), stderr.seek(0)
-        if proc.returncode:  # the peer logs much to stderr: show the end of it only on failure
+        if done.returncode:  # the peer logs much to stderr: show the end of it only on failure
             raise RuntimeError(stderr.read().strip()[-2000:])
         result = json.loads(stdout.read().strip().splitlines()[-1])
-    result["peak_mb"] = usage.ru_maxrss / 1024  # Linux: KiB
     record.write_text(json.dumps(result))
     return result
 
@@ -141,12 +139,18 @@ class Bench:
         return out, measured(cmd, out)
 
     def perplexity(self, dirs: list[Path]) -> tuple[float, list[float]]:
-        """The dense model's perplexity and each directory's, in one process on the same tokens."""
+        """The dense model's perplexity and each directory's, in one process on the same tokens; each is kept
+        beside its model, so a later run (one for decode speed, say) reuses them."""
         from leanlm.bench.compare import quality
 
-        wait_quiet()
-        rows = quality(self.model, [str(d) for d in dirs], "bfloat16", "cpu", self.args.max_tokens)
-        return rows[0].perplexity, [r.perplexity for r in rows[1:]]
+        records = [self.root / f"{name}.ppl{self.args.max_tokens}.json" for name in ["dense", *(d.name for d in dirs)]]
+        if not all(r.exists() for r in records):
+            wait_quiet()
+            rows = quality(self.model, [str(d) for d in dirs], "bfloat16", "cpu", self.args.max_tokens)
+            for record, row in zip(records, rows):
+                record.write_text(json.dumps(row.perplexity))
+        values = [json.loads(r.read_text()) for r in records]
+        return values[0], values[1:]
 
 
 def mark(ok: bool, text: str) -> str:

@@ -7,7 +7,7 @@ own virtual environment: it imports only llmcompressor, transformers, datasets, 
 CALIBRATION.safetensors holds `input_ids` [n, T] int64: the calibration windows leanlm used, so both sides see
 the same tokens. The pruned model is written to OUT_DIR as a plain HF directory (dense bf16 safetensors, the
 source's config and tokenizer files), which leanlm loads and scores itself. One JSON line on stdout:
-{"seconds": time inside oneshot(), "sparsity": fraction of zeros in the pruned projections}.
+{"seconds": time inside oneshot(), "sparsity": fraction of zeros in the pruned projections, "peak_mb": peak RSS}.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def main() -> None:
             shutil.copy2(f, args.output / f.name)
     layers = [v for k, v in state.items() if k.startswith("model.layers.") and k.endswith("proj.weight")]
     zeros = sum(int((w == 0).sum()) for w in layers) / sum(w.numel() for w in layers)
-    print(json.dumps({"seconds": seconds, "sparsity": zeros}), flush=True)
+    status = Path("/proc/self/status").read_text()  # peak RSS since exec (ru_maxrss would carry the parent's)
+    peak_mb = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
+    print(json.dumps({"seconds": seconds, "sparsity": zeros, "peak_mb": peak_mb}), flush=True)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,18 @@ def decode_step_seconds(model, steps: int = 6) -> float:
     return best
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB. On Linux its VmHWM, the peak since exec: getrusage's ru_maxrss
+    also carries the pre-exec image's, so a process started from a large parent would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that wall-clock timings are real (a no-op on CPU)."""
     if device.type == "cuda":

@@ -55,3 +55,14 @@ def test_prefill_products_run_in_the_cpus_fast_dtype(monkeypatch, bf16_gemm):
     expect = F.linear(x.to(cdt), lin.weight.to(cdt), lin.bias.to(cdt)).bfloat16()
     assert torch.equal(lin(x), expect)
     assert torch.equal(lin(x[:1]), F.linear(x[:1], lin.weight, lin.bias))  # one row (decode): the weight's dtype
+
+
+def test_a_child_reports_its_own_peak_memory_not_its_parents():
+    import subprocess
+    import sys
+
+    ballast = b"\1" * 2**30  # this process's peak now exceeds 1 GiB; exec'd children inherit it in ru_maxrss
+    code = ("import resource; from leanlm.runtime import peak_rss_mb; "
+            "print(peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    own, inherited = map(float, subprocess.check_output([sys.executable, "-c", code], text=True).split())
+    assert inherited > 1024 and own < 700 and len(ballast) == 2**30

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -17,7 +16,7 @@ from leanlm.compress.quant.kv import int8_bytes_per_head
 from leanlm.generation.compiled import CompiledDecoder
 from leanlm.generation.decode import decode_step, prefill
 from leanlm.models.transformer import Transformer
-from leanlm.runtime import matmul_dtype, synchronize
+from leanlm.runtime import matmul_dtype, peak_rss_mb, synchronize
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ class BenchResult:
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return peak_rss_mb()
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from leanlm.cli import optimize, generate, measure, compress, prune, distill, serve, analyze, plan  # noqa: F401, I001  (each registers its verbs, in help order)
+from leanlm.cli import optimize, generate, measure, compress, prune, distill, distill_data, serve, analyze, plan  # noqa: F401, I001  (each registers its verbs, in help order)
 from leanlm.cli.common import app, err
 from leanlm.errors import LeanLMError
 

@@ -111,7 +111,7 @@ def distill(
             pruning["layers"] = renumber_layers(pruning.get("layers", {}), kept)
     if qat_config is not None:
         prepare(student_net, qat_config)
-    train_ids = torch.tensor(tok.encode(load_text(data, split="calibration")))
+    train_ids = torch.tensor(tok.encode(load_text(data, split="calibration", tokenizer=tok)))
     eval_ids = torch.tensor(tok.encode(load_text(None, split="evaluation")))
     trainer = Trainer(teacher_net, student_net, train_ids, eval_ids, config, out=output, logit_cache=logit_cache)
     if resume:

@@ -165,10 +165,16 @@ def _read_file(path: Path) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_text(path: str | Path) -> str:
-    """A user's text: one UTF-8 file, or every *.txt / *.md under a folder (recursive, sorted, blank-line joined)."""
+def read_text(path: str | Path, tokenizer=None) -> str:
+    """A user's text: one UTF-8 file, or every *.txt / *.md under a folder (recursive, sorted, blank-line joined).
+    A .jsonl file is a distillation corpus (`leanlm distill-data`): its prompts and completions, rendered as
+    documents (chat prompts in `tokenizer`'s template) joined by its EOS token."""
     path = Path(path).expanduser()
-    if path.is_file():
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        from leanlm.compress.distill.data import corpus_text
+
+        text = corpus_text(path, tokenizer)
+    elif path.is_file():
         text = _read_file(path)
     elif path.is_dir():
         files = sorted(
@@ -187,9 +193,10 @@ def read_text(path: str | Path) -> str:
     return text
 
 
-def load_text(data: str | Path | None, split: str = "evaluation") -> str:
-    """The text to use: the built-in `split` when `data` is None, else the user's file or folder."""
-    return builtin_text(split) if data is None else read_text(data)
+def load_text(data: str | Path | None, split: str = "evaluation", tokenizer=None) -> str:
+    """The text to use: the built-in `split` when `data` is None, else the user's file or folder (a .jsonl corpus
+    rendered with `tokenizer`, see read_text)."""
+    return builtin_text(split) if data is None else read_text(data, tokenizer)
 
 
 def calibration_samples(token_ids: torch.Tensor | list[int], n: int, seq_len: int, seed: int = 0) -> torch.Tensor:

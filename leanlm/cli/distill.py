@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import _fail, app, err, out
+from leanlm.cli.common import Device, _fail, app, err, out
 
 
 def keep_layers(spec: str, total: int) -> list[int]:
@@ -62,6 +62,7 @@ def distill(
     prune_end: Annotated[float, typer.Option(help="with --prune-to: the share of the run by which it is reached")] = 0.75,
     qat: Annotated[Optional[str], typer.Option(help="quantization-aware training for w8, w8a8 or w4g128 (w4g64, "
                                                     "w4g32): saved in leanlm's quantized format")] = None,
+    device: Device = "auto",
     resume: Annotated[bool, typer.Option(help="continue the run whose checkpoint is in -o DIR")] = False,
     keep_checkpoint: Annotated[bool, typer.Option(help="keep DIR/checkpoint (float32 weights and optimizer "
                                                        "moments, ~4x the model) to --resume with a larger "
@@ -100,9 +101,9 @@ def distill(
                            seq_len=seq_len, grad_accum=grad_accum, steps=steps, tokens=tokens, minutes=minutes,
                            eval_every=eval_every, eval_tokens=eval_tokens, gradient_checkpointing=gradient_checkpointing,
                            on_policy=on_policy, prune_to=prune_to, prune_end=prune_end)
-    teacher_net, tok = load(teacher, "bfloat16", "cpu")
+    teacher_net, tok = load(teacher, "bfloat16", device)
     source = resolve(student or student_from)
-    student_net, _ = load(source, "float32", "cpu")
+    student_net, _ = load(source, "float32", device)
     pruning = read_record(source)  # a pruned student's record
     if keep is not None:
         kept = keep_layers(keep, student_net.config.num_layers)
@@ -118,6 +119,7 @@ def distill(
         trainer.load_checkpoint(output)
     history = trainer.run()
     final = history.evals[-1]
+    student_net.cpu()  # saved (and QAT exported onto the CPU kernels' formats) from the CPU
     if prune_to is not None:  # pruned while training: the record says so, as `leanlm prune`'s would
         pruned = {name: layer_record(linear.weight, None) for name, linear in decoder_linears(student_net)}
         pruning = {"recipe": [*pruning.get("recipe", []), {"method": "gradual_magnitude", "sparsity": prune_to,

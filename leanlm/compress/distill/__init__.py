@@ -1,1 +1,2 @@
-"""Knowledge distillation: losses (pure functions), and the trainer that uses them."""
+"""Knowledge distillation: losses (pure functions), the trainer that uses them, QAT, the recipe step, and the
+teacher-written corpora of black-box distillation (data)."""

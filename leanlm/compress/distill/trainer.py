@@ -163,6 +163,7 @@ class Trainer:
         self.train_ids, self.eval_ids = train_ids, eval_ids
         self.logit_cache = None if logit_cache is None else Path(logit_cache)
         student.float().train().requires_grad_(True)
+        self.device = next(student.parameters()).device  # the teacher's too (CUDA when the models are there)
         self.masks = sparsity_masks(student)
         self.sparsity = 0.0  # what gradual pruning has reached
         self.params = [p for p in student.parameters() if p.requires_grad]
@@ -194,7 +195,7 @@ class Trainer:
                 return self.teacher(inputs, positions).float()
         file = None if self.logit_cache is None else self.logit_cache / f"{key}.safetensors"
         if file is not None and file.exists():
-            stored = load_file(str(file))
+            stored = load_file(str(file), device=str(self.device))
             if torch.equal(stored["inputs"], inputs) and stored["values"].shape[-1] == self.config.top_k:
                 return stored["values"].float(), stored["indices"].long()
         with torch.no_grad():
@@ -208,10 +209,11 @@ class Trainer:
 
     def loss(self, tokens: torch.Tensor, key: str = "") -> torch.Tensor:
         """The configured loss on one micro-batch; `key` names its teacher logits in the cache  # tokens [B, T + 1]"""
+        tokens = tokens.to(self.device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        positions = torch.arange(inputs.shape[1])[None].expand_as(inputs)
+        positions = torch.arange(inputs.shape[1], device=self.device)[None].expand_as(inputs)
         teacher = self.teacher_logits(inputs, positions, key)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
             student = self.student(inputs, positions)
         return LOSSES[self.config.loss](student.float(), teacher, labels, self.config)
 
@@ -332,7 +334,8 @@ class Trainer:
         self.student.load_state_dict(weights, strict=False)
         moments = load_file(str(path / "optimizer.safetensors"))
         for i, p in enumerate(self.params):
-            entry = {key.split(".", 1)[1]: v for key, v in moments.items() if key.split(".", 1)[0] == str(i)}
+            entry = {key.split(".", 1)[1]: v if key.endswith(".step") else v.to(p.device)
+                     for key, v in moments.items() if key.split(".", 1)[0] == str(i)}
             if entry:
                 entry["step"] = entry["step"].reshape(())
                 self.optimizer.state[p] = entry

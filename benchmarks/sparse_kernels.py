@@ -1,12 +1,14 @@
 """2:4-sparse int8 weights in their compact form (int8_24_gemv, 0.625 bytes a weight) against the dense int8 kernel
 (int8_gemv, 1 byte) on the same codes: the default model's projections and larger matrices, M = 1, 2, 4, 8 rows.
 
-    python benchmarks/sparse_kernels.py [--threads 2] [--rounds 5]
+    python benchmarks/sparse_kernels.py [--threads 2] [--rounds 5] [--baseline REV]
     python benchmarks/sparse_kernels.py --e2e DIR [--lm-head 8]  # DIR: `leanlm prune MODEL --method sparsegpt
                                                                  #   --pattern 2:4 --bits 8 -o DIR`
 
 Weights rotate through ~256 MB of copies so every call reads them from memory, as decode does. The two kernels
 alternate within each round; a cell is the median over rounds. The most the smaller format can give is 1.6x.
+--baseline REV adds int8_24_gemv as built from git revision REV's kernel sources (a change's before and after, timed
+in the same rounds); ns/64 is nanoseconds per 64 weights.
 --e2e: batch-1 greedy decode (compiled step) of that model as saved (W8A16Sparse24Linear) against the same codes
 in W8A16Linear, alternating in one process: tokens/s per round and the median ratio.
 """
@@ -15,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -36,6 +41,24 @@ def seconds(fn, calls: list[tuple], reps: int) -> float:
     for i in range(reps):
         fn(*calls[i % len(calls)])
     return (time.perf_counter() - start) / reps
+
+
+def baseline_ops(rev: str):
+    """The kernels as they were at git revision rev (cpu.cpp, sparse.cpp, common.h), built under their own namespace."""
+    from torch.utils.cpp_extension import load
+
+    sources = [kernels.SOURCE, *kernels.SOURCES[1:], kernels.HEADER]
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
+    commit = subprocess.check_output(["git", "rev-parse", "--short", rev], text=True).strip()
+    tmp = Path(tempfile.mkdtemp(prefix=f"leanlm-{commit}-"))
+    for src in sources:
+        text = subprocess.check_output(["git", "show", f"{commit}:{src.resolve().relative_to(root)}"], text=True)
+        (tmp / src.name).write_text(text)
+    name = f"leanlm_base_{commit}"
+    flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}"]
+    load(name=f"{name}_kernels", sources=[str(tmp / s.name) for s in sources[:-1]], extra_cflags=flags,
+         extra_ldflags=["-fopenmp"], is_python_module=False)
+    return getattr(torch.ops, name)
 
 
 def e2e(path: str, rounds: int, lm_head: int, new_tokens: int = 64) -> None:
@@ -88,6 +111,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default="1,2,4,8", help="values of M, comma-separated")
+    ap.add_argument("--baseline", metavar="REV", help="also time int8_24_gemv as built from this git revision")
     ap.add_argument("--e2e", metavar="DIR", help="a 2:4 + int8 model saved by leanlm prune: decode speed instead")
     ap.add_argument("--lm-head", type=int, default=8, help="--e2e: lm_head bits, 8 or 4 (16: left as saved)")
     args = ap.parse_args()
@@ -95,10 +119,12 @@ def main() -> None:
     if args.e2e:
         return e2e(args.e2e, args.rounds, args.lm_head)
     ops = kernels.ops()
+    base = baseline_ops(args.baseline) if args.baseline else None
     table = Table(title=f"2:4 int8 vs dense int8, {args.threads} threads, loops {ops.sparse_isa()} / {ops.isa()}: "
-                        "microseconds (GB/s of weight bytes read), median of {args.rounds} interleaved rounds"
-                        .replace("{args.rounds}", str(args.rounds)))
-    for col in ("matrix", "M", "dense int8", "2:4 compact", "speedup"):
+                        f"ns per 64 weights (GB/s of weight bytes read), median of {args.rounds} interleaved rounds")
+    kinds = ["dense", *(["2:4 " + args.baseline] if base else []), "2:4"]
+    for col in ("matrix", "M", *[{"dense": "dense int8", "2:4": "2:4 compact"}.get(k, k) for k in kinds],
+                *[f"{k} speedup" for k in kinds[1:]]):
         table.add_column(col, justify="left" if col == "matrix" else "right")
     g = torch.Generator().manual_seed(0)
     for name, (N, K) in SHAPES.items():
@@ -110,20 +136,20 @@ def main() -> None:
         packed = [pack_24(q) for q in dense]
         scale = torch.rand(N, generator=g).bfloat16()
         reps = max(20, min(400, int(2e9 // (N * K))))
+        compact_bytes = N * K // 2 + N * ((K + 7) // 8)
         for M in [int(m) for m in args.rows.split(",")]:
             x = torch.randn(M, K, generator=g).bfloat16()
             runs = {"dense": (ops.int8_gemv, [(x, q, scale) for q in dense], N * K),
-                    "2:4": (ops.int8_24_gemv, [(x, v, m, scale) for v, m in packed], N * K // 2 + N * ((K + 7) // 8))}
+                    "2:4": (ops.int8_24_gemv, [(x, v, m, scale) for v, m in packed], compact_bytes)}
+            if base:
+                runs[kinds[1]] = (base.int8_24_gemv, runs["2:4"][1], compact_bytes)
             times: dict[str, list[float]] = {k: [] for k in runs}
             for _ in range(args.rounds):
                 for key, (fn, calls, _) in runs.items():
                     times[key].append(seconds(fn, calls, reps))
-            cells = []
-            for key, (_, _, nbytes) in runs.items():
-                t = statistics.median(times[key])
-                cells.append(f"{t * 1e6:.1f} ({(nbytes + 2 * N) / t / 1e9:.1f})")
-            ratio = statistics.median(times["dense"]) / statistics.median(times["2:4"])
-            table.add_row(f"{name} {N}x{K}", str(M), *cells, f"{ratio:.2f}x")
+            t = {k: statistics.median(v) for k, v in times.items()}
+            cells = [f"{t[k] * 1e9 / (N * K / 64):.2f} ({(runs[k][2] + 2 * N) / t[k] / 1e9:.1f})" for k in kinds]
+            table.add_row(f"{name} {N}x{K}", str(M), *cells, *[f"{t['dense'] / t[k]:.2f}x" for k in kinds[1:]])
         del dense, packed
     Console(width=150).print(table)
 

@@ -7,7 +7,7 @@
 // The activation rows are rounded to int16 with a scale per row by cpu.cpp's Rows (common.h: the same codes),
 // and the weights are placed back at their dense positions before the same integer dot products, so the int32
 // sums, and with them the results, equal int8_gemv's on the unpacked codes:
-// - AVX-512 (VBMI): the 8 mask bytes of 64 inputs, read as one uint64, give each dense position the index of its kept
+// - AVX-512 (VBMI, BITALG): the 8 mask bytes of 64 inputs, read as one uint64, give each dense position the index of its kept
 //   byte (`vpmultishiftqb`, one bit of the mask per position) and are the zeroing mask of the `vpermb` that places
 //   the 32 kept bytes at their dense positions; then `vpdpwssd` as the dense loop.
 // - AVX2: `pshufb` spreads the 8 kept bytes of 16 inputs with a control from a 256-entry table per mask byte.
@@ -20,6 +20,7 @@
 #include "common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && \
+    defined(__AVX512BITALG__) && \
     !defined(LEANLM_PORTABLE)
 #define LEANLM24_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(LEANLM_PORTABLE)
@@ -40,26 +41,32 @@ constexpr int64_t kChunk = 4096;  // int32 sums go to float this often (as cpu.c
 // 2g + rank, rank being the kept positions of its group before p; with exactly 2 of 4 kept, that is 0 for p = 0,
 // mask bit 4g for p = 1, 1 - mask bit 4g+3 for p = 2 and 1 for p = 3 (unkept bytes are zeroed by the mask itself).
 // `vpmultishiftqb` brings that one bit to bit 0 of byte k, and (bit & keep) ^ base adds it to 2g (or 2g + 1).
+// The zeroing mask comes from the broadcast mask too (`vpshufbitqmb`, bit k of byte k): GCC otherwise loads the
+// mask once into a general register and moves it to a k register and a vector from there, which made the step
+// ~40% slower on Zen 4 than these loads from memory.
 struct Densify {
-  __m512i shift, keep, base;  // per byte k: the mask bit it reads, 1 where that bit counts, 2g + (p >= 2)
+  __m512i shift, keep, base, iota;  // per byte k: the mask bit it reads, 1 where that bit counts, 2g + (p >= 2), k
 
   Densify() {
-    alignas(64) uint8_t sh[64], kp[64], bs[64];
+    alignas(64) uint8_t sh[64], kp[64], bs[64], io[64];
     for (int k = 0; k < 64; ++k) {
       const int g = k / 4, p = k % 4;
       sh[k] = uint8_t(4 * g + (p == 2 ? 3 : 0));
       kp[k] = p == 1 || p == 2;
       bs[k] = uint8_t(2 * g + (p >= 2));
+      io[k] = uint8_t(k);
     }
     shift = _mm512_load_si512(sh);
     keep = _mm512_load_si512(kp);
     base = _mm512_load_si512(bs);
+    iota = _mm512_load_si512(io);
   }
 
-  // bits: the block's mask (bit k = input k kept); packed: its kept bytes in the low 32 bytes
-  __m512i operator()(uint64_t bits, __m512i packed) const {
-    const __m512i rank = _mm512_multishift_epi64_epi8(shift, _mm512_set1_epi64(int64_t(bits)));
-    return _mm512_maskz_permutexvar_epi8(bits, _mm512_ternarylogic_epi64(rank, keep, base, 0x6A), packed);
+  // mask: the block's 64-bit mask (bit k = input k kept) in every qword; packed: its kept bytes in the low 32 bytes
+  __m512i operator()(__m512i mask, __m512i packed) const {
+    const __m512i rank = _mm512_multishift_epi64_epi8(shift, mask);
+    return _mm512_maskz_permutexvar_epi8(_mm512_bitshuffle_epi64_mask(mask, iota),
+                                         _mm512_ternarylogic_epi64(rank, keep, base, 0x6A), packed);
   }
 };
 
@@ -91,10 +98,9 @@ void rows24(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int
       for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
       int64_t k = c;
       for (; k + 64 <= end; k += 64) {
-        uint64_t bits;
-        std::memcpy(&bits, mk + k / 8, 8);
+        const __m512i mask = _mm512_broadcastq_epi64(_mm_loadu_si64(mk + k / 8));
         const __m512i packed = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(v + k / 2)));
-        dot64<M>(densify(bits, packed), xq + k, Kp, acc);
+        dot64<M>(densify(mask, packed), xq + k, Kp, acc);
       }
       if (k < end) {  // the row's last inputs (a multiple of 4): only its own bytes are read
         const int64_t left = end - k;
@@ -102,7 +108,7 @@ void rows24(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int
         std::memcpy(&bits, mk + k / 8, (left + 7) / 8);
         bits &= (uint64_t(1) << left) - 1;
         const __m512i packed = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8((1u << (left / 2)) - 1, v + k / 2));
-        dot64<M>(densify(bits, packed), xq + k, Kp, acc);
+        dot64<M>(densify(_mm512_set1_epi64(int64_t(bits)), packed), xq + k, Kp, acc);
       }
       for (int m = 0; m < M; ++m)
         sum[m] = _mm512_add_ps(sum[m], _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1])));
@@ -241,7 +247,7 @@ void unpack_row(const int8_t* v, const uint8_t* mk, int64_t K, int8_t* out) {
     const __mmask32 kept = left == 64 ? ~0u : (1u << (left / 2)) - 1;
     const __m512i packed = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(kept, v + k / 2));
     const __mmask64 all = left == 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1;
-    _mm512_mask_storeu_epi8(out + k, all, densify(bits & all, packed));
+    _mm512_mask_storeu_epi8(out + k, all, densify(_mm512_set1_epi64(int64_t(bits & all)), packed));
   }
 #elif defined(LEANLM24_AVX2)
   for (; k + 16 <= K; k += 16) {

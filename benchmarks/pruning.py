@@ -278,16 +278,19 @@ def compact_24_w8(b: Bench) -> Table:
             subprocess.run([sys.executable, "-m", "leanlm.cli", *cmd, "-o", str(out)], check=True,
                            stdout=sys.stderr, env=env)
     _, ppls = b.perplexity(list(dirs.values()))
-    runs = decode_speeds({k: str(d) for k, d in dirs.items()}, b.args.repeats, b.args.threads)
-    base = runs["dense W8 (rtn)"]
-    table = Table(title=f"{b.model}: 2:4 + W8 stored compactly vs dense W8 (batch-1 compiled decode, "
-                        f"{b.args.threads} thread(s), median of {b.args.repeats} rounds; perplexity on "
-                        f"{b.args.max_tokens} tokens)")
-    for col in ("variant", "weights read MB", "bytes limit", "decode tok/s", "vs dense W8", "perplexity"):
+    threads = [int(t) for t in b.args.compact_threads.split(",")]
+    runs = {t: decode_speeds({k: str(d) for k, d in dirs.items()}, b.args.repeats, t) for t in threads}
+    table = Table(title=f"{b.model}: 2:4 + W8 stored compactly vs dense W8 (batch-1 compiled decode, median of "
+                        f"{b.args.repeats} rounds; perplexity on {b.args.max_tokens} tokens)")
+    for col in ("variant", "weights read MB", "bytes limit", *(f"{t} thread(s) tok/s" for t in threads),
+                *(f"{t} thread(s) vs dense W8" for t in threads), "perplexity"):
         table.add_column(col, justify="left" if col == "variant" else "right")
-    for (name, r), p in zip(runs.items(), ppls):
+    for name, p in zip(dirs, ppls):
+        base, r = runs[threads[0]]["dense W8 (rtn)"], runs[threads[0]][name]
+        ratios = [runs[t][name]["tokens_per_s"] / runs[t]["dense W8 (rtn)"]["tokens_per_s"] for t in threads]
         table.add_row(name, f"{r['weight_bytes'] / 2**20:.0f}", f"{base['weight_bytes'] / r['weight_bytes']:.2f}x",
-                      f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{p:.3f}")
+                      *(f"{runs[t][name]['tokens_per_s']:.1f}" for t in threads), *(f"{x:.2f}x" for x in ratios),
+                      f"{p:.3f}")
     return table
 
 
@@ -315,6 +318,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-structured", action="store_true")
     ap.add_argument("--no-compact", action="store_true", help="skip 2:4 + W8 compact vs dense W8 (first model)")
+    ap.add_argument("--compact-threads", default="1,2", help="decode threads of the compact comparison (at 2 the "
+                                                               "dense kernel is bound by the shared bandwidth)")
     ap.add_argument("--no-speed", action="store_true", help="structured: perplexity only, no decode speed")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 x 256 calibration, 2048 evaluation "
                                                          "tokens, one speed round")

@@ -316,6 +316,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="decode-speed rounds (the median is shown)")
     ap.add_argument("--peer-python", default=PEER_PYTHON, help="python of llm-compressor's virtual environment")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--no-unstructured", action="store_true", help="skip the unstructured and 2:4 tables")
     ap.add_argument("--no-structured", action="store_true")
     ap.add_argument("--no-compact", action="store_true", help="skip 2:4 + W8 compact vs dense W8 (first model)")
     ap.add_argument("--compact-threads", default="1,2", help="decode threads of the compact comparison (at 2 the "
@@ -333,7 +334,7 @@ def main() -> None:
     out = Console(width=180)
     for i, model in enumerate(args.models.split(",")):
         b = Bench(model, args)
-        for table in unstructured_tables(b):
+        for table in [] if args.no_unstructured else unstructured_tables(b):
             out.print(table)
         if not args.no_structured:
             out.print(structured_table(b, with_speed=i == 0 and not args.no_speed))

@@ -37,7 +37,8 @@ def distill(
     keep: Annotated[Optional[str], typer.Option("--keep-layers", help="with --student-from: how many layers "
                                                 "(evenly spaced) or which, e.g. 0,4,8,29")] = None,
     loss: Annotated[str, typer.Option(help="fkl, rkl, jsd, skl, srkl, topk, slim, hard (teacher's labels), "
-                                           "ce (the text's)")] = "fkl",
+                                           "ce (the text's), tinybert (+ hidden states and attention maps), "
+                                           "minillm (sequence-level reverse KL on teacher-mixed samples)")] = "fkl",
     temperature: Annotated[float, typer.Option(help="softmax temperature of the soft losses")] = 1.0,
     top_k: Annotated[int, typer.Option(help="topk, slim: teacher logits kept per position")] = 64,
     data: Annotated[Optional[Path], typer.Option(help="training text file or folder (default: built-in "
@@ -73,7 +74,7 @@ def distill(
     (removed when the run ends, unless --keep-checkpoint)."""
     import json
     import shutil
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     import torch
 
@@ -108,6 +109,8 @@ def distill(
     if keep is not None:
         kept = keep_layers(keep, student_net.config.num_layers)
         drop_layers(student_net, kept)
+        if loss == "tinybert" and resolve(teacher) == source:  # each kept layer learns from where it came
+            config = replace(config, layer_map=tuple(kept))
         if pruning:  # its records follow their layers to the student's numbers, as `leanlm prune --method layers`'s
             pruning["layers"] = renumber_layers(pruning.get("layers", {}), kept)
     if qat_config is not None:

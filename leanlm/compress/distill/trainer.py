@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from leanlm.compress.distill import losses
+from leanlm.compress.distill.features import captured, mixed_samples, uniform_layer_map
 from leanlm.compress.registry import decoder_linears
 from leanlm.compress.sparse.masks import check_sparsity, row_mask
 from leanlm.errors import LeanLMError
@@ -44,6 +45,8 @@ LOSSES = {
     "slim": lambda s, t, y, c: losses.slim(s, *t, y, c.temperature),
     "hard": lambda s, t, y, c: losses.hard_label(s, t.argmax(-1)),  # the teacher's greedy labels
     "ce": lambda s, t, y, c: losses.hard_label(s, y),  # the text's own next tokens: plain fine-tuning
+    "tinybert": None,  # forward KL + hidden states + attention maps: Trainer.tinybert_loss
+    "minillm": None,  # sequence-level reverse KL on teacher-mixed samples: Trainer.minillm_loss
 }
 TOPK = {"topk", "slim"}  # the losses that read only the teacher's top-k logits: those can be cached on disk
 
@@ -74,6 +77,8 @@ class DistillConfig:
     prune_to: float | None = None  # gradual magnitude pruning: each row's sparsity at the end of the schedule
     prune_end: float = 0.75  # the fraction of the run by which prune_to is reached (the rest recovers)
     prune_every: int = 10  # steps between two pruning rounds
+    mix_alpha: float = 0.2  # minillm: the teacher's share of the sampling distribution
+    layer_map: tuple[int, ...] | None = None  # tinybert: the teacher layer each student layer learns (None: uniform)
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -86,6 +91,8 @@ class DistillConfig:
             raise LeanLMError("give a budget: steps, tokens or minutes")
         if not 0.0 <= self.on_policy <= 1.0:
             raise LeanLMError(f"on_policy={self.on_policy} is a share of the windows: give a value in [0, 1]")
+        if not 0.0 <= self.mix_alpha <= 1.0:
+            raise LeanLMError(f"mix_alpha={self.mix_alpha} is the teacher's share: give a value in [0, 1]")
         if self.prune_to is not None:
             check_sparsity(self.prune_to)
             if not 0.0 < self.prune_end <= 1.0 or self.prune_every < 1:
@@ -170,10 +177,28 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay)
         self.history, self.step, self.total = History(), 0, config.total_steps()
+        if config.loss == "tinybert":
+            self.layer_map = self._check_tinybert(config.layer_map)
+
+    def _check_tinybert(self, layer_map) -> tuple[int, ...]:
+        s, t = self.student.config, self.teacher.config
+        layer_map = tuple(layer_map) if layer_map is not None else uniform_layer_map(s.num_layers, t.num_layers)
+        if len(layer_map) != s.num_layers or not all(0 <= g < t.num_layers for g in layer_map):
+            raise LeanLMError(f"layer_map {list(layer_map)}: give one teacher layer (0..{t.num_layers - 1}) for each "
+                              f"of the student's {s.num_layers} layers")
+        if (s.hidden_size, s.num_heads) != (t.hidden_size, t.num_heads):
+            raise LeanLMError(f"tinybert matches states and attention maps: the student's width and heads "
+                              f"({s.hidden_size}, {s.num_heads}) must be the teacher's ({t.hidden_size}, "
+                              f"{t.num_heads}); use another loss for this student")
+        return layer_map
+
+    def seed(self, step: int, micro: int) -> int:
+        """What every random choice of a micro-batch is drawn from (so a resumed run draws the same)."""
+        return (self.config.seed * 1_000_003 + step) * 1009 + micro
 
     def batch(self, step: int, micro: int) -> torch.Tensor:
         """The windows of one micro-batch: drawn from a generator seeded by (seed, step, micro)  # [B, T + 1]"""
-        seed = (self.config.seed * 1_000_003 + step) * 1009 + micro
+        seed = self.seed(step, micro)
         tokens = calibration_samples(self.train_ids, self.config.batch_size, self.config.seq_len + 1, seed)
         if self.config.on_policy and torch.rand(1, generator=torch.Generator().manual_seed(seed)).item() < \
                 self.config.on_policy:
@@ -207,15 +232,55 @@ class Trainer:
             values = values.to(torch.bfloat16).float()  # what a later run reads back: every run trains alike
         return values, indices
 
-    def loss(self, tokens: torch.Tensor, key: str = "") -> torch.Tensor:
-        """The configured loss on one micro-batch; `key` names its teacher logits in the cache  # tokens [B, T + 1]"""
+    def loss(self, tokens: torch.Tensor, key: str = "", seed: int = 0) -> torch.Tensor:
+        """The configured loss on one micro-batch; `key` names its teacher logits in the cache, `seed` draws its
+        samples (minillm)  # tokens [B, T + 1]"""
         tokens = tokens.to(self.device)
+        if self.config.loss == "minillm":
+            return self.minillm_loss(tokens, seed)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(inputs.shape[1], device=self.device)[None].expand_as(inputs)
+        if self.config.loss == "tinybert":
+            return self.tinybert_loss(inputs, positions)
         teacher = self.teacher_logits(inputs, positions, key)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
             student = self.student(inputs, positions)
         return LOSSES[self.config.loss](student.float(), teacher, labels, self.config)
+
+    def tinybert_loss(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """TinyBERT (arXiv 1909.10351) in one stage: forward KL on the logits, plus the MSE of the embeddings and of
+        each student layer's output against its teacher layer's (both divided by the teacher state's RMS, so that
+        the deep layers' large residual streams do not drown the rest), plus the MSE of their attention score maps."""
+        with captured(self.teacher, sorted(set(self.layer_map))) as t, torch.no_grad():
+            teacher = self.teacher(inputs, positions).float()
+        with captured(self.student, list(range(len(self.layer_map)))) as s, \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
+            student = self.student(inputs, positions)
+
+        def states(mine, theirs):
+            rms = theirs.float().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+            return losses.hidden_mse(mine.float() / rms, theirs.float() / rms)
+
+        pairs = list(enumerate(self.layer_map))
+        hidden = (states(s.embedding, t.embedding) + sum(states(s.hidden[m], t.hidden[g]) for m, g in pairs)) / \
+            (len(pairs) + 1)
+        attention = sum(losses.attention_mse(s.scores[m], t.scores[g]) for m, g in pairs) / len(pairs)
+        return losses.forward_kl(student.float(), teacher, self.config.temperature) + hidden + attention
+
+    def minillm_loss(self, tokens: torch.Tensor, seed: int) -> torch.Tensor:
+        """MiniLLM (arXiv 2306.08543): the windows' first halves as prompts, continued by teacher-mixed sampling;
+        the sequence-level reverse KL's policy gradient on those continuations (length-normalized rewards,
+        importance weights for the mixing)."""
+        half = tokens.shape[1] // 2
+        sampled, logp = mixed_samples(self.student, self.teacher, tokens[:, :half], tokens.shape[1] - half,
+                                      self.config.mix_alpha, torch.Generator().manual_seed(seed))
+        inputs = torch.cat([tokens[:, :half], sampled], 1)[:, :-1]
+        positions = torch.arange(inputs.shape[1], device=self.device)[None].expand_as(inputs)
+        with torch.no_grad():
+            teacher = self.teacher(inputs, positions).float()[:, half - 1 :]  # the rows predicting the samples
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
+            student = self.student(inputs, positions)
+        return losses.minillm(student.float()[:, half - 1 :], teacher, sampled, sample_logp=logp)
 
     def train_step(self) -> float:
         """One optimizer step (grad_accum micro-batches); returns the mean loss."""
@@ -226,7 +291,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in range(c.grad_accum):
-            loss = self.loss(self.batch(self.step, micro), f"{self.step}-{micro}") / c.grad_accum
+            loss = self.loss(self.batch(self.step, micro), f"{self.step}-{micro}", self.seed(self.step, micro))
+            loss = loss / c.grad_accum
             loss.backward()
             total += loss.item()
         self.optimizer.step()
@@ -325,7 +391,7 @@ class Trainer:
         state = json.loads((path / "trainer.json").read_text())
         budget = ("steps", "tokens", "minutes")
         saved = {k: v for k, v in state["config"].items() if k not in budget}
-        mine = {k: v for k, v in asdict(self.config).items() if k not in budget}
+        mine = {k: v for k, v in json.loads(json.dumps(asdict(self.config))).items() if k not in budget}  # as saved
         if saved != mine:
             changed = sorted(k for k in mine if saved.get(k) != mine[k])
             raise LeanLMError(f"the checkpoint in {out} was made with other settings ({', '.join(changed)}); "

@@ -87,6 +87,16 @@ def test_pruning_while_distilling_saves_the_sparsity_and_says_so(tiny_dir, tmp_p
     assert decoder_sparsity(load_model(out, torch.float32))[0] == 0.5
 
 
+def test_a_cut_student_learns_tinybert_style_from_the_layers_it_kept(tiny_dir, tmp_path):
+    out = tmp_path / "tb"
+    r = leanlm("distill", "--teacher", tiny_dir, "--student-from", tiny_dir, "--keep-layers", "1", "--loss",
+               "tinybert", "--data", _text(tmp_path), "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "128",
+               "--steps", "2", "-o", out)
+    assert r.returncode == 0, r.stderr
+    run = json.loads((out / "distill.json").read_text())
+    assert run["config"]["layer_map"] == [0] and len(run["history"]["loss"]) == 2
+
+
 def test_bad_input_is_one_clear_line(tiny_dir, tmp_path):
     r = leanlm("distill", "--teacher", tiny_dir, "--steps", "1", "-o", tmp_path / "x")
     assert r.returncode != 0 and "--student" in r.stderr and "Traceback" not in r.stderr

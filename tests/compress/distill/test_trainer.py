@@ -55,7 +55,7 @@ def test_every_loss_trains_a_step(dirs, loss):
     assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
 
 
-@pytest.mark.parametrize("extra", [{}, {"prune_to": 0.5, "prune_every": 2, "on_policy": 0.5}])
+@pytest.mark.parametrize("extra", [{}, {"prune_to": 0.5, "prune_every": 2, "on_policy": 0.5}, {"loss": "minillm"}])
 def test_a_resumed_run_continues_bit_for_bit(dirs, tmp_path, extra):
     teacher, student = _models(dirs)
     Trainer(teacher, student, IDS, None, _config(steps=6, grad_accum=2, **extra)).run(progress=False)

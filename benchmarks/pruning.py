@@ -267,7 +267,7 @@ def compact_24_w8(b: Bench) -> Table:
                 "2:4 sparsegpt W8, int8 layout": ["prune", b.model, "--method", "sparsegpt", "--pattern", "2:4",
                                                   "--bits", "8", "--no-compact", *calib],
                 "2:4 sparsegpt W8, compact": ["prune", b.model, "--method", "sparsegpt", "--pattern", "2:4",
-                                              "--bits", "8", *calib]}
+                                              "--bits", "8", "--compact", *calib]}
     dirs = {}
     for i, (name, cmd) in enumerate(variants.items()):
         dirs[name] = out = b.root / f"w8-{i}"

@@ -56,7 +56,7 @@ def distill(model, config: Distill, progress=None, samples=None) -> dict[str, di
         raise LeanLMError(f"a distill step trains float weights, but {frozen[0]} is already quantized: put the "
                           "distill step before the quantization steps")
     teacher, tok = load(config.teacher, "bfloat16", str(next(model.parameters()).device), progress=False)
-    ids = torch.tensor(tok.encode(load_text(config.data, split="calibration")))
+    ids = torch.tensor(tok.encode(load_text(config.data, split="calibration", tokenizer=tok)))  # chats too
     dtype = model.dtype
     Trainer(teacher, model, ids, None, config.trainer_config()).run(progress=False)
     model.to(dtype).eval().requires_grad_(False)

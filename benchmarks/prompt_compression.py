@@ -1,6 +1,7 @@
 """Prompt compression: does the compressed prompt keep the answer, and from what length does compressing pay?
 
     python benchmarks/prompt_compression.py [--tasks 12] [--context-tokens 2048] [--target qwen2.5-coder-0.5b]
+                                            [--methods llmlingua,llmlingua:even,...] [--ratios 2,3,5,10]
 
 Tasks from the project's own texts, with the answer somewhere in a long context, scored as multiple choice (the
 candidate the target finds most likely after the prompt, by mean log-probability per token, as evaluation
@@ -10,8 +11,9 @@ harnesses score choices):
   expressions its functions return.
 (Generated answers were tried first: qwen2.5-coder 0.5b and 1.5b named the speaker 0 times in 4-5 with the full
 prompt, and line completion, which they could do half the time, is lost by dropping any token of the line.)
-The target (its chat template) reads each prompt in full, then compressed 2x, 3x, 5x and 10x by LLMLingua,
-LongLLMLingua, Selective Context and random token dropping, each scored by the default zoo model. Reported:
+The target (its chat template) reads each prompt in full, then compressed 2x, 3x, 5x and 10x by LLMLingua
+(adaptive quotas, and each segment its even share as the paper does), LongLLMLingua, Selective Context and random
+token dropping, each scored by the default zoo model. Reported:
 accuracy, the answer's log-probability against the full prompt's, compression time and the target's prefill; then
 the break-even: compression time against the prefill time it saves at prompt lengths 256 to 4096.
 """
@@ -38,8 +40,8 @@ from leanlm.eval.datasets import EVALUATION_FILES, corpus_dir
 from leanlm.generation.decode import prefill
 from leanlm.generation.text import encode_prompt
 
-RATIOS = (2, 3, 5, 10)
-METHODS = ("llmlingua", "longllmlingua", "selective", "random")
+RATIOS = "2,3,5,10"
+METHODS = "llmlingua,llmlingua:even,longllmlingua,selective,random"  # method[:quotas]
 MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "calendar", "statistics", "base64", "heapq", "glob",
            "colorsys", "string", "bisect", "difflib", "ipaddress", "fractions", "tokenize")
 PLAY_INSTRUCTION = "Read this excerpt of a play, then answer the question after it with the speaker's name."
@@ -153,16 +155,23 @@ def wait_quiet() -> None:
         time.sleep(5)
 
 
-def accuracy(tasks: list[Task], scorer: PromptCompressor, target: Target) -> None:
+def compress(scorer: PromptCompressor, spec: str, *args, **options):
+    """PromptCompressor.compress by a benchmark method name, METHOD or METHOD:QUOTAS (e.g. llmlingua:even)."""
+    method, _, quotas = spec.partition(":")
+    return scorer.compress(*args, method=method, quotas=quotas or "adaptive", **options)
+
+
+def accuracy(tasks: list[Task], scorer: PromptCompressor, target: Target, methods: list[str],
+             ratios: list[int]) -> None:
     rows = {}  # (method, ratio) -> [(right, answer's log p - the full prompt's, compress s, prefill s, tokens, kind)]
     for t, task in enumerate(tasks):
         truth = task.choices.index(task.answer)
         prompts = [("full", 1, f"{task.instruction}\n\n{task.context.rstrip()}\n\n{task.question}", 0.0)]
-        for method in METHODS:
-            for ratio in RATIOS:
+        for method in methods:
+            for ratio in ratios:
                 wait_quiet()
-                c = scorer.compress(task.context.rstrip(), question=task.question, instruction=task.instruction,
-                                    rate=1 / ratio, method=method, seed=t)
+                c = compress(scorer, method, task.context.rstrip(), question=task.question,
+                             instruction=task.instruction, rate=1 / ratio, seed=t)
                 prompts.append((method, ratio, c.text, c.seconds))
         for method, ratio, prompt, seconds in prompts:
             wait_quiet()
@@ -190,7 +199,7 @@ def accuracy(tasks: list[Task], scorer: PromptCompressor, target: Target) -> Non
     Console(width=220).print(table)
 
 
-def break_even(scorer: PromptCompressor, target: Target, rng: random.Random) -> None:
+def break_even(scorer: PromptCompressor, target: Target, rng: random.Random, methods: list[str]) -> None:
     """Compression time against the prefill time it saves, by prompt length: from where does compressing pay?"""
     lengths = (256, 512, 1024, 2048, 4096)
     table = Table(title="break-even: compression time vs the target prefill time it saves (question-aware where the "
@@ -201,12 +210,12 @@ def break_even(scorer: PromptCompressor, target: Target, rng: random.Random) -> 
     ids = target.tok.encode(task.context)
     contexts = {n: target.tok.decode(ids[:n]) for n in lengths}
     full = {n: target.prefill_seconds(contexts[n] + "\n\n" + task.question) for n in lengths}
-    for method in ("llmlingua", "longllmlingua", "selective"):
+    for method in [m for m in methods if m in ("llmlingua", "longllmlingua", "selective")]:
         for ratio in (2, 5):
             cells, net = [], []
             for n in lengths:
                 wait_quiet()
-                c = scorer.compress(contexts[n], question=task.question, rate=1 / ratio, method=method)
+                c = compress(scorer, method, contexts[n], question=task.question, rate=1 / ratio)
                 saved = full[n] - target.prefill_seconds(c.text)
                 cells.append(f"{c.seconds:.2f} / {saved:.2f}")
                 net.append(saved - c.seconds)
@@ -228,22 +237,27 @@ def _crossing(lengths, net: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", type=int, default=12, help="tasks, half play and half code")
+    ap.add_argument("--tasks", type=int, default=12, help="tasks, half play and half code (0: the break-even only)")
     ap.add_argument("--context-tokens", type=int, default=2048, help="about this many tokens of context a task")
     ap.add_argument("--target", default="qwen2.5-coder-0.5b", help="the answering model")
     ap.add_argument("--scorer", default="smollm2-135m", help="the compressing model")
+    ap.add_argument("--methods", default=METHODS, help="METHOD[:QUOTAS] (quotas: adaptive, the default, or even)")
+    ap.add_argument("--ratios", default=RATIOS)
     ap.add_argument("--no-break-even", action="store_true", help="skip the break-even table")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    wait_quiet()
     rng = random.Random(0)
     chars = args.context_tokens * 4  # English and Python run about 4 characters a token
     tasks = play_tasks(args.tasks - args.tasks // 2, chars, rng) + code_tasks(args.tasks // 2, chars, rng)
     scorer, target = PromptCompressor(args.scorer), Target(args.target)
     target.prefill_seconds("warm up")
-    accuracy(tasks, scorer, target)
+    methods = args.methods.split(",")
+    if tasks:
+        accuracy(tasks, scorer, target, methods, [int(r) for r in args.ratios.split(",")])
     if not args.no_break_even:
-        break_even(scorer, target, rng)
+        break_even(scorer, target, rng, methods)
 
 
 if __name__ == "__main__":

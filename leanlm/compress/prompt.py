@@ -118,6 +118,19 @@ def select(scores: torch.Tensor, k: int, forced: torch.Tensor) -> torch.Tensor:
     return keep
 
 
+def quota(scores: torch.Tensor, sizes: torch.Tensor, new: int, left: int, remaining: int) -> int:
+    """Adaptive quotas: how many tokens the newest segment keeps so that one threshold holds over the text, not
+    an even share per segment. `scores`, `sizes`: every item (word or token) scored so far, the segment's `new`
+    last; `left` tokens still to keep of `remaining` undecided (the segment's among them). The segment keeps its
+    items among the highest-scoring of all that hold left / remaining of the tokens seen, clamped so that the rest
+    of the budget stays reachable  # scores, sizes [m] -> int"""
+    order = torch.sort(scores.float(), descending=True, stable=True).indices
+    top = order[:int((sizes[order].cumsum(0) <= left / remaining * sizes.sum()).sum())]
+    n = int(sizes[-new:].sum())
+    k = int(sizes[top[top >= len(scores) - new]].sum())
+    return min(max(k, left - (remaining - n), 0), n, left)
+
+
 def forced_chars(text: str, force=(), numbers: bool = True, identifiers: bool = False) -> list[bool]:
     """Which characters of `text` must survive: occurrences of the `force` strings, numbers, code identifiers."""
     patterns = [re.escape(f) for f in force if f] + [NUMBER] * numbers + [IDENTIFIER] * identifiers
@@ -229,16 +242,6 @@ class _Prompt:
         self.separated = set([0] * bool(instruction) + documents)
 
 
-def _groups(roles: list[list[int]], n: list[int], kept) -> list[tuple[int, int, int]]:
-    """(start, end, keep) of each role's parts laid end to end, `kept(x)` the running keep count."""
-    groups, lo = [], 0
-    for parts in roles:
-        hi = lo + sum(n[i] for i in parts)
-        groups.append((lo, hi, kept(hi) - kept(lo)))
-        lo = hi
-    return groups
-
-
 class PromptCompressor:
     """A small causal LM that scores prompts for compression (load once, compress many)."""
 
@@ -259,7 +262,7 @@ class PromptCompressor:
                  rate: float | None = 0.5, target_tokens: int | None = None, method: str = "llmlingua",
                  force=(), keep_numbers: bool = True, keep_identifiers: bool = False, instruction_rate: float = 1.0,
                  question_rate: float = 1.0, coarse: float = 2.0, segment: int = 200, whole_words: bool = True,
-                 seed: int = 0) -> Compressed:
+                 quotas: str = "adaptive", seed: int = 0) -> Compressed:
         """The prompt `instruction` + `context` + `question` (parts separated by a blank line) cut to `rate` of its
         tokens, or to `target_tokens`. A list `context` is documents, each a unit of the coarse pass.
         method: llmlingua (units ranked by the question's perplexity given them when there is a question, tokens by
@@ -269,9 +272,14 @@ class PromptCompressor:
         coarse: the coarse pass keeps units worth `coarse` x the context's budget (0: none).
         instruction_rate, question_rate: what those parts keep (1: verbatim).
         whole_words: the token pass keeps or drops whole words, by the sum of their tokens' scores, as Selective
-        Context does (dropping a word's middle piece garbles it); False: single tokens, as LLMLingua does."""
+        Context does (dropping a word's middle piece garbles it); False: single tokens, as LLMLingua does.
+        quotas: what each segment of the context keeps in the token pass: "even" (its share of the budget, as
+        LLMLingua) or "adaptive" (its words above a threshold kept over all the context scored so far, see
+        `quota`), so that a segment of surprises keeps more than a predictable one."""
         if method not in METHODS:
             raise LeanLMError(f"unknown compression method {method!r}; choose one of {', '.join(METHODS)}")
+        if quotas not in ("even", "adaptive"):
+            raise LeanLMError(f"quotas must be 'even' or 'adaptive', not {quotas!r}")
         if method == "longllmlingua" and not question:
             raise LeanLMError("longllmlingua scores tokens against a question: give one, or use llmlingua")
         begin = time.perf_counter()
@@ -296,27 +304,24 @@ class PromptCompressor:
             keep = coarse_select(self._unit_scores([spans[i][0] for i in p.ctx], question), [n[i] for i in p.ctx],
                                  math.ceil(coarse * keep_ctx), [any(chars[i]) for i in p.ctx])
             kept = [i for i, k in zip(p.ctx, keep) if k]
-        rate_of = {i: keep_ctx / sum(n[j] for j in kept) for i in kept}
-        if instruction:
-            rate_of[0] = keep_ins / n[0]
-        if question:
-            rate_of[len(p.parts) - 1] = keep_que / n[-1]
-        order = sorted(rate_of)
+        roles = [[0] * bool(instruction), kept, [len(p.parts) - 1] * bool(question)]
+        order = [i for role in roles for i in role]
         # the parts that remain, end to end: token ids, each token's span in its part, which must survive
         ids = [t for i in order for t in spans[i][0]]
         cuts = [(i, s, e) for i in order for s, e in zip([0] + spans[i][1][:-1], spans[i][1])]
         forced = torch.tensor([any(chars[i][c] and not p.parts[i][c].isspace() for c in range(s, e))
                                or (i in p.separated and e > len(p.parts[i]) - 2) for i, s, e in cuts], dtype=torch.bool)
-        lengths, rates = [n[i] for i in order], [rate_of[i] for i in order]
+        sizes = [sum(n[i] for i in role) for role in roles]  # instruction, context, question
+        lengths, rates = map(list, zip(*[(m, k / m) for m, k in zip(sizes, (keep_ins, keep_ctx, keep_que)) if m]))
         pieces = [p.parts[i][s:e] for i, s, e in cuts]
         ends = list(itertools.accumulate(len(t) for t in pieces))
         word_of = words("".join(pieces), [0] + ends[:-1], ends)
         if method.endswith("llmlingua"):
             keep = self._token_pass(ids, forced, plan(lengths, rates, segment),
-                                    question if method == "longllmlingua" else "", word_of if whole_words else None)
+                                    question if method == "longllmlingua" else "", word_of if whole_words else None,
+                                    (sizes[0], sizes[0] + sizes[1]) if quotas == "adaptive" else None)
         else:
-            roles = [[0] if instruction else [], [i for i in order if i in p.ctx], [len(p.parts) - 1] if question else []]
-            keep = self._baseline(ids, forced, _groups(roles, n, cumulative(lengths, rates)), word_of, method, seed)
+            keep = self._baseline(ids, forced, plan(lengths, rates, len(ids))[0], word_of, method, seed)
         text = join(pieces, keep.tolist())
         return Compressed(text, total, self.count(text), time.perf_counter() - begin, method)
 
@@ -349,16 +354,20 @@ class PromptCompressor:
             i = j
         return out
 
-    def _token_pass(self, ids, forced, segments, question, word_of) -> torch.Tensor:
+    def _token_pass(self, ids, forced, segments, question, word_of, pool=None) -> torch.Tensor:
         """LLMLingua's iterative pass: segment by segment, each scored given the kept prefix; with a question,
         by contrastive perplexity (-log p without the question minus -log p with it in front); whole words
-        (`word_of`: each token's) or single tokens kept."""
+        (`word_of`: each token's) or single tokens kept. `pool`: the context's (start, end), whose segments keep
+        adaptive quotas (otherwise each piece keeps its planned share)."""
         plain = _Stream(self.net, len(ids) + 1)
         asked = None
         if question:
             q = self.tok.encode_spans(question + "\n\n")[0]
             asked = _Stream(self.net, len(ids) + len(q) + 1, q)
         keep = torch.ones(len(ids), dtype=torch.bool)
+        c0, c1 = pool or (0, 0)
+        left, remaining = sum(k for s in segments for lo, _, k in s if c0 <= lo < c1), c1 - c0
+        seen, sizes = [], []  # the context's items (words or tokens) scored so far: score, tokens
         for pieces in segments:
             a, b = pieces[0][0], pieces[-1][1]
             if any(k < hi - lo for lo, hi, k in pieces):
@@ -367,8 +376,18 @@ class PromptCompressor:
                     score = torch.where(score.isinf(), score, score - asked.score(ids[a:b]))
                 for lo, hi, k in pieces:
                     s, must = score[lo - a:hi - a], forced[lo:hi] | score[lo - a:hi - a].isinf()
+                    item = torch.arange(hi - lo) if word_of is None else \
+                        torch.tensor([w - word_of[lo] for w in word_of[lo:hi]])
+                    if c0 <= lo < c1:
+                        seen.append(torch.zeros(int(item.max()) + 1).index_add_(0, item, s.float().clamp(max=1e9))
+                                    .index_fill_(0, item[must], math.inf))
+                        sizes.append(torch.bincount(item))
+                        k = quota(torch.cat(seen), torch.cat(sizes), len(seen[-1]), left, remaining)
                     keep[lo:hi] = select(s, k, must) if word_of is None else \
-                        selective_context(s.clamp(max=1e9), [w - word_of[lo] for w in word_of[lo:hi]], k, must)
+                        selective_context(s.clamp(max=1e9), item.tolist(), k, must)
+            for lo, hi, _ in pieces:
+                if c0 <= lo < c1:
+                    left, remaining = left - int(keep[lo:hi].sum()), remaining - (hi - lo)
             kept = [t for t, k in zip(ids[a:b], keep[a:b].tolist()) if k]
             for stream in (plain, asked):
                 if stream is not None:

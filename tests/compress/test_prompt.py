@@ -15,6 +15,7 @@ from leanlm.compress.prompt import (
     forced_chars,
     join,
     plan,
+    quota,
     select,
     selective_context,
     split_units,
@@ -60,6 +61,21 @@ def test_plan_keeps_each_part_at_its_rate_and_the_total_exactly(seed):
     for o, n, r in zip(offsets, lengths, rates):  # each part within one token of its own rate
         assert abs(sum(k for lo, hi, k in pieces if o <= lo < o + n) - r * n) <= 1
     assert cumulative(lengths, rates)(sum(lengths)) == sum(k for _, _, k in pieces)
+
+
+def test_quota_keeps_a_segment_s_items_above_one_threshold_over_everything_seen():
+    ones = torch.ones(10, dtype=torch.long)
+    # a first segment alone: its share of the rate
+    assert quota(torch.arange(10.0), ones, 10, 10, 20) == 5
+    # a segment of surprises after a predictable one keeps more than its share, a predictable one less
+    assert quota(torch.cat([torch.zeros(10), torch.ones(10)]), torch.ones(20, dtype=torch.long), 10, 10, 20) == 10
+    assert quota(torch.cat([torch.ones(10), torch.zeros(10)]), torch.ones(20, dtype=torch.long), 10, 10, 20) == 0
+    # items hold several tokens (words); the threshold counts tokens
+    assert quota(torch.tensor([0.0, 5.0]), torch.tensor([4, 2]), 1, 3, 6) == 2
+    # the rest of the budget stays reachable: all left must be kept, nothing left to keep
+    assert quota(torch.zeros(10), ones, 10, 10, 10) == 10
+    assert quota(torch.arange(10.0), ones, 10, 0, 30) == 0
+    assert quota(torch.cat([torch.ones(10), torch.zeros(10)]), torch.ones(20, dtype=torch.long), 10, 12, 14) == 8
 
 
 def test_select_keeps_forced_then_the_top_scores_with_earlier_first_on_ties():
@@ -142,14 +158,15 @@ def test_stream_scores_equal_a_full_forward_over_the_kept_prefix(tiny):
     assert torch.allclose(torch.tensor(got[1:]), torch.tensor(want[1:]), atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["llmlingua", "selective", "random"])
+@pytest.mark.parametrize("method", ["llmlingua", "llmlingua-even", "selective", "random"])
 @pytest.mark.parametrize("rate", [0.3, 0.5, 0.7])
 def test_meets_the_rate_and_is_deterministic(compressor, method, rate):
-    out = compressor.compress(TEXT, rate=rate, method=method, keep_numbers=False)
+    method, _, quotas = method.partition("-")
+    out = compressor.compress(TEXT, rate=rate, method=method, keep_numbers=False, quotas=quotas or "adaptive")
     # random fragments of this toy character-level vocabulary re-tokenize into more pieces than real BPE's
     # (test_prompt_real holds every method to 10% on the zoo scorer)
     assert abs(out.compressed_tokens / out.original_tokens - rate) <= (0.15 if method == "random" else 0.1) * rate
-    again = compressor.compress(TEXT, rate=rate, method=method, keep_numbers=False)
+    again = compressor.compress(TEXT, rate=rate, method=method, keep_numbers=False, quotas=quotas or "adaptive")
     assert (again.text, again.compressed_tokens) == (out.text, out.compressed_tokens)
 
 
@@ -190,6 +207,8 @@ def test_bad_options_fail_clearly(compressor):
         compressor.compress(TEXT, method="zip")
     with pytest.raises(LeanLMError, match="give one, or use llmlingua"):
         compressor.compress(TEXT, method="longllmlingua")
+    with pytest.raises(LeanLMError, match="quotas must be"):
+        compressor.compress(TEXT, quotas="fair")
     with pytest.raises(LeanLMError, match="rate must be in"):
         compressor.compress(TEXT, rate=1.5)
     with pytest.raises(LeanLMError, match="target_tokens must be positive"):

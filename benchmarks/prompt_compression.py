@@ -1,7 +1,7 @@
 """Prompt compression: does the compressed prompt keep the answer, and from what length does compressing pay?
 
     python benchmarks/prompt_compression.py [--tasks 12] [--context-tokens 2048] [--target qwen2.5-coder-0.5b]
-                                            [--methods llmlingua,llmlingua:even,...] [--ratios 2,3,5,10]
+                                            [--methods llmlingua,llmlingua:adaptive,...] [--ratios 2,3,5,10]
 
 Tasks from the project's own texts, with the answer somewhere in a long context, scored as multiple choice (the
 candidate the target finds most likely after the prompt, by mean log-probability per token, as evaluation
@@ -12,7 +12,7 @@ harnesses score choices):
 (Generated answers were tried first: qwen2.5-coder 0.5b and 1.5b named the speaker 0 times in 4-5 with the full
 prompt, and line completion, which they could do half the time, is lost by dropping any token of the line.)
 The target (its chat template) reads each prompt in full, then compressed 2x, 3x, 5x and 10x by LLMLingua
-(adaptive quotas, and each segment its even share as the paper does), LongLLMLingua, Selective Context and random
+(each segment its even share as the paper does, and adaptive quotas), LongLLMLingua, Selective Context and random
 token dropping, each scored by the default zoo model. Reported:
 accuracy, the answer's log-probability against the full prompt's, compression time and the target's prefill; then
 the break-even: compression time against the prefill time it saves at prompt lengths 256 to 4096.
@@ -41,7 +41,7 @@ from leanlm.generation.decode import prefill
 from leanlm.generation.text import encode_prompt
 
 RATIOS = "2,3,5,10"
-METHODS = "llmlingua,llmlingua:even,longllmlingua,selective,random"  # method[:quotas]
+METHODS = "llmlingua,llmlingua:adaptive,longllmlingua,selective,random"  # method[:quotas]
 MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "calendar", "statistics", "base64", "heapq", "glob",
            "colorsys", "string", "bisect", "difflib", "ipaddress", "fractions", "tokenize")
 PLAY_INSTRUCTION = "Read this excerpt of a play, then answer the question after it with the speaker's name."
@@ -156,9 +156,9 @@ def wait_quiet() -> None:
 
 
 def compress(scorer: PromptCompressor, spec: str, *args, **options):
-    """PromptCompressor.compress by a benchmark method name, METHOD or METHOD:QUOTAS (e.g. llmlingua:even)."""
+    """PromptCompressor.compress by a benchmark method name, METHOD or METHOD:QUOTAS (e.g. llmlingua:adaptive)."""
     method, _, quotas = spec.partition(":")
-    return scorer.compress(*args, method=method, quotas=quotas or "adaptive", **options)
+    return scorer.compress(*args, method=method, quotas=quotas or "even", **options)
 
 
 def accuracy(tasks: list[Task], scorer: PromptCompressor, target: Target, methods: list[str],
@@ -241,7 +241,7 @@ def main() -> None:
     ap.add_argument("--context-tokens", type=int, default=2048, help="about this many tokens of context a task")
     ap.add_argument("--target", default="qwen2.5-coder-0.5b", help="the answering model")
     ap.add_argument("--scorer", default="smollm2-135m", help="the compressing model")
-    ap.add_argument("--methods", default=METHODS, help="METHOD[:QUOTAS] (quotas: adaptive, the default, or even)")
+    ap.add_argument("--methods", default=METHODS, help="METHOD[:QUOTAS] (quotas: even, the default, or adaptive)")
     ap.add_argument("--ratios", default=RATIOS)
     ap.add_argument("--no-break-even", action="store_true", help="skip the break-even table")
     ap.add_argument("--threads", type=int, default=2)

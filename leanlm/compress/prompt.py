@@ -262,7 +262,7 @@ class PromptCompressor:
                  rate: float | None = 0.5, target_tokens: int | None = None, method: str = "llmlingua",
                  force=(), keep_numbers: bool = True, keep_identifiers: bool = False, instruction_rate: float = 1.0,
                  question_rate: float = 1.0, coarse: float = 2.0, segment: int = 200, whole_words: bool = True,
-                 quotas: str = "adaptive", seed: int = 0) -> Compressed:
+                 quotas: str = "even", seed: int = 0) -> Compressed:
         """The prompt `instruction` + `context` + `question` (parts separated by a blank line) cut to `rate` of its
         tokens, or to `target_tokens`. A list `context` is documents, each a unit of the coarse pass.
         method: llmlingua (units ranked by the question's perplexity given them when there is a question, tokens by

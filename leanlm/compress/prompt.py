@@ -165,14 +165,18 @@ def join(pieces: list[str], keep: list[bool]) -> str:
     return "".join(out)
 
 
+def word_totals(info: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each word's summed score and its token count  # info, index (each token's word) [n] -> [W], [W]"""
+    size = torch.bincount(index)
+    return torch.zeros(len(size)).index_add_(0, index, info.float()), size
+
+
 def selective_context(info: torch.Tensor, word_of: list[int], k: int, forced: torch.Tensor) -> torch.Tensor:
     """Selective Context: keep whole words by self-information (the sum over their tokens), most informative first,
     each that still fits in k tokens  # info [n] -> keep [n] bool"""
     index = torch.tensor(word_of, dtype=torch.long)
-    n_words = int(index.max()) + 1 if len(index) else 0
-    score = torch.zeros(n_words).index_add_(0, index, info.float())
-    size = torch.bincount(index, minlength=n_words)
-    chosen = torch.zeros(n_words, dtype=torch.bool)
+    score, size = word_totals(info, index)
+    chosen = torch.zeros(len(size), dtype=torch.bool)
     chosen[index[forced]] = True
     left = k - int(size[chosen].sum())
     for w in torch.sort(score.masked_fill(chosen, -math.inf), descending=True, stable=True).indices.tolist():
@@ -379,9 +383,9 @@ class PromptCompressor:
                     item = torch.arange(hi - lo) if word_of is None else \
                         torch.tensor([w - word_of[lo] for w in word_of[lo:hi]])
                     if c0 <= lo < c1:
-                        seen.append(torch.zeros(int(item.max()) + 1).index_add_(0, item, s.float().clamp(max=1e9))
-                                    .index_fill_(0, item[must], math.inf))
-                        sizes.append(torch.bincount(item))
+                        score_w, size_w = word_totals(s.clamp(max=1e9), item)
+                        seen.append(score_w.index_fill_(0, item[must], math.inf))
+                        sizes.append(size_w)
                         k = quota(torch.cat(seen), torch.cat(sizes), len(seen[-1]), left, remaining)
                     keep[lo:hi] = select(s, k, must) if word_of is None else \
                         selective_context(s.clamp(max=1e9), item.tolist(), k, must)

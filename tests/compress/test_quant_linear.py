@@ -150,11 +150,12 @@ def test_w4a16_bad_shapes_raise():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_cuda_matches_reference(name):
+@pytest.mark.parametrize("rows", [1, 33, 100])  # W4A16: tinygemm up to TINYGEMM_MAX_ROWS, dequantized beyond
+def test_cuda_matches_reference(name, rows):
     cls, kw = MODULES[name]
     lin = _linear(256, 128)
     q = cls.from_float(lin, **kw).cuda()
-    x = torch.randn(33, 256, device="cuda").bfloat16()
+    x = torch.randn(rows, 256, device="cuda").bfloat16()
     ref = x.float() @ q.dequantized_weight().cuda().T + lin.bias.detach().cuda()
     tol = 5e-2 if cls is FP8Linear else REL_TOL.get(name, 1e-2)  # _scaled_mm quantizes activations to fp8 too
     assert _rel(q(x), ref) < tol

@@ -9,7 +9,12 @@ Kernel facts measured on the 2-core Zen 4 box with torch 2.13:
 - The int4 kernel also serves prefill: at 128-512 rows it is 1.2-2.4x slower than a bf16 GEMM but 2-6x faster
   than dequantizing the weight for one (qwen2.5-0.5b's MLP shapes, two threads).
 - `torch._int_mm` on CPU accepts any shape; at M = 1 with the [N, K] weight passed as a transposed view it is
-  ~6x faster than an int32 matmul and ~18x faster than padding M to 17 (4096x4096, one thread)."""
+  ~6x faster than an int32 matmul and ~18x faster than padding M to 17 (4096x4096, one thread).
+
+On an H200 (torch 2.11, `python benchmarks/gpu.py --sections k`): W4A16 decode runs torch's tinygemm
+(`_weight_int4pack_mm`): 24-38 us at 1-32 rows of qwen2.5-0.5b's shapes, as fast as a bf16 GEMM and 3x faster than
+dequantizing, but 9x slower at 512 rows, so prefill dequantizes. `_weight_int8pack_mm` is 2-250x slower than
+dequantizing there, so W8A16 dequantizes."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from leanlm.errors import LeanLMError
 from leanlm.runtime import CPU_INT8_GEMM, matmul_dtype
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+TINYGEMM_MAX_ROWS = 64  # CUDA W4A16: tinygemm up to this many rows, dequantize + GEMM beyond
 
 
 def _check_linear(linear: nn.Module, name: str) -> None:
@@ -161,6 +167,7 @@ class W4A16Linear(_QuantLinearBase):
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(G, out_features, dtype=torch.bfloat16))  # [K/g, N]
         self.register_buffer("zeros", torch.zeros(G, out_features, dtype=torch.bfloat16))  # [K/g, N]
+        self._tinygemm_weights = None  # CUDA: the weights in tinygemm's layout, made on first use
         kernels.ops()  # built (or found) now, not first inside a compiled graph
 
     @classmethod
@@ -183,11 +190,28 @@ class W4A16Linear(_QuantLinearBase):
         return (q - 8) * self.scales.float().t().repeat_interleave(g, 1) + self.zeros.float().t().repeat_interleave(g, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and self._tinygemm_fits(x.device):
+            return self._finish(self._tinygemm(x.reshape(-1, self.in_features)), x)
         if not x.is_cpu or (ops := kernels.ops()) is None:
             return self._reference(x)
         y = ops.int4_gemv(x.reshape(-1, self.in_features), self.weight_packed, self.scales, self.zeros,
                           self.group_size)
         return self._finish(y, x)
+
+    def _tinygemm_fits(self, device: torch.device) -> bool:
+        return (self.in_features % 128 == 0 and self.out_features % 8 == 0 and hasattr(torch, "_weight_int4pack_mm")
+                and torch.cuda.get_device_capability(device) >= (8, 0))
+
+    def _tinygemm(self, x2d: torch.Tensor) -> torch.Tensor:
+        """CUDA: torch's tinygemm kernel, whose grid is ours ((q - 8) * scale + zero per group) in its own tile
+        layout, made once on first use.  [M, K] -> [M, N] bfloat16"""
+        if self._tinygemm_weights is None or self._tinygemm_weights[0].device != x2d.device:
+            q = unpack_int4(self.weight_packed.to(x2d.device))  # [N, K] in [0, 15]
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()  # even k in the high nibble, as the kernel reads
+            self._tinygemm_weights = (torch._convert_weight_to_int4pack(pairs, 8),  # 8 inner k-tiles
+                                      torch.stack([self.scales, self.zeros], -1).to(x2d.device).contiguous())
+        packed, scales_zeros = self._tinygemm_weights
+        return torch._weight_int4pack_mm(x2d.to(torch.bfloat16), packed, self.group_size, scales_zeros)
 
     def options(self) -> dict:
         return {"group_size": self.group_size}

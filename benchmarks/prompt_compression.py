@@ -41,7 +41,7 @@ from leanlm.generation.decode import prefill
 from leanlm.generation.text import encode_prompt
 
 RATIOS = "2,3,5,10"
-METHODS = "llmlingua,llmlingua:adaptive,longllmlingua,selective,random"  # method[:quotas]
+METHODS = "llmlingua,llmlingua:adaptive,longllmlingua,selective,random"  # METHOD[:ITEM,...] (see compress)
 MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "calendar", "statistics", "base64", "heapq", "glob",
            "colorsys", "string", "bisect", "difflib", "ipaddress", "fractions", "tokenize")
 PLAY_INSTRUCTION = "Read this excerpt of a play, then answer the question after it with the speaker's name."
@@ -156,9 +156,19 @@ def wait_quiet() -> None:
 
 
 def compress(scorer: PromptCompressor, spec: str, *args, **options):
-    """PromptCompressor.compress by a benchmark method name, METHOD or METHOD:QUOTAS (e.g. llmlingua:adaptive)."""
-    method, _, quotas = spec.partition(":")
-    return scorer.compress(*args, method=method, quotas=quotas or "even", **options)
+    """PromptCompressor.compress by a benchmark method name: METHOD[:ITEM,...], an item the quotas (even or adaptive)
+    or NAME=NUMBER, one of compress's numeric options (e.g. llmlingua:adaptive, llmlingua:coarse=1.5)."""
+    method, _, items = spec.partition(":")
+    extra = {"quotas": "even"}
+    for item in filter(None, items.split(",")):
+        name, eq, value = item.partition("=")
+        if eq:
+            extra[name] = int(value) if value.isdigit() else float(value)
+        elif name in ("even", "adaptive"):
+            extra["quotas"] = name
+        else:
+            sys.exit(f"unknown item {item!r} in the method {spec!r}")
+    return scorer.compress(*args, method=method, **extra, **options)
 
 
 def accuracy(tasks: list[Task], scorer: PromptCompressor, target: Target, methods: list[str],
@@ -241,7 +251,8 @@ def main() -> None:
     ap.add_argument("--context-tokens", type=int, default=2048, help="about this many tokens of context a task")
     ap.add_argument("--target", default="qwen2.5-coder-0.5b", help="the answering model")
     ap.add_argument("--scorer", default="smollm2-135m", help="the compressing model")
-    ap.add_argument("--methods", default=METHODS, help="METHOD[:QUOTAS] (quotas: even, the default, or adaptive)")
+    ap.add_argument("--methods", default=METHODS, help="METHOD[:ITEM,...]: an item is the quotas (even, the default, "
+                    "or adaptive) or NAME=NUMBER, a numeric option of compress (coarse=1.5, segment=100)")
     ap.add_argument("--ratios", default=RATIOS)
     ap.add_argument("--no-break-even", action="store_true", help="skip the break-even table")
     ap.add_argument("--threads", type=int, default=2)

@@ -24,6 +24,7 @@ import argparse
 import ast
 import random
 import re
+import statistics
 import sys
 import sysconfig
 import time
@@ -198,13 +199,14 @@ def accuracy(tasks: list[Task], scorer: PromptCompressor, target: Target, method
                         f"context ~{sum(r[4] for r in rows[('full', 1)]) // len(tasks)} target tokens; accuracy as "
                         f"multiple choice (chance ~{sum(1 / len(t.choices) for t in tasks) / len(tasks):.0%})")
     for col in ("method", "ratio", "prompt tokens", "accuracy", *(f"{k} accuracy" for k in kinds),
-                "answer log p vs full", "compress s", "target prefill s", "compress + prefill s"):
+                "answer log p vs full (± s.e.)", "compress s", "target prefill s", "compress + prefill s"):
         table.add_column(col, justify="right")
     for (method, ratio), r in rows.items():
         mean = lambda i, rs=r: sum(x[i] for x in rs) / len(rs)  # noqa: E731
         by_kind = [mean(0, [x for x in r if x[5] == k]) for k in kinds]
+        se = statistics.stdev(x[1] for x in r) / len(r) ** 0.5 if len(r) > 1 else 0.0  # the tasks vary a lot
         table.add_row(method, f"{ratio}x" if ratio > 1 else "-", f"{mean(4):.0f}", f"{mean(0):.0%}",
-                      *(f"{a:.0%}" for a in by_kind), f"{mean(1):+.2f}", f"{mean(2):.2f}", f"{mean(3):.2f}",
+                      *(f"{a:.0%}" for a in by_kind), f"{mean(1):+.2f} ± {se:.2f}", f"{mean(2):.2f}", f"{mean(3):.2f}",
                       f"{mean(2) + mean(3):.2f}")
     Console(width=220).print(table)
 

@@ -51,7 +51,9 @@ def distill(
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 256,
     grad_accum: Annotated[int, typer.Option(help="micro-batches per optimizer step")] = 1,
     eval_every: Annotated[int, typer.Option(help="evaluate (perplexity, KL to the teacher) every N steps")] = 50,
-    eval_tokens: Annotated[int, typer.Option(help="evaluation tokens (of the built-in evaluation split)")] = 4096,
+    eval_data: Annotated[Optional[Path], typer.Option(help="evaluation text file or folder (default: built-in "
+                                                           "evaluation split)")] = None,
+    eval_tokens: Annotated[int, typer.Option(help="evaluation tokens (the first of --eval-data's)")] = 4096,
     gradient_checkpointing: Annotated[bool, typer.Option(help="recompute activations in the backward pass "
                                                               "(less memory, ~1.3x the time)")] = False,
     logit_cache: Annotated[Optional[Path], typer.Option(help="topk, slim: keep the teacher's top-k logits of each "
@@ -116,7 +118,7 @@ def distill(
     if qat_config is not None:
         prepare(student_net, qat_config)
     train_ids = torch.tensor(tok.encode(load_text(data, split="calibration", tokenizer=tok)))
-    eval_ids = torch.tensor(tok.encode(load_text(None, split="evaluation")))
+    eval_ids = torch.tensor(tok.encode(load_text(eval_data, split="evaluation", tokenizer=tok)))
     trainer = Trainer(teacher_net, student_net, train_ids, eval_ids, config, out=output, logit_cache=logit_cache)
     if resume:
         trainer.load_checkpoint(output)
@@ -137,6 +139,8 @@ def distill(
         note_pruning(student_net, records)
         qformat.save(student_net.eval(), records, [*pruning.get("recipe", []), qat_config], source, output)
     run = {"teacher": str(teacher), "student": str(student or student_from), "keep_layers": keep,
+           "data": str(data or "built-in calibration split"),
+           "eval_data": str(eval_data or "built-in evaluation split"),
            "config": asdict(config), "history": asdict(history)}
     (output / "distill.json").write_text(json.dumps(run, indent=1))
     plot_history(history, output / "curve.png")

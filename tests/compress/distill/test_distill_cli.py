@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from leanlm.compress.distill.trainer import DistillConfig
@@ -95,6 +96,24 @@ def test_a_cut_student_learns_tinybert_style_from_the_layers_it_kept(tiny_dir, t
     assert r.returncode == 0, r.stderr
     run = json.loads((out / "distill.json").read_text())
     assert run["config"]["layer_map"] == [0] and len(run["history"]["loss"]) == 2
+
+
+def test_eval_data_is_what_the_student_is_scored_on(tiny_dir, tmp_path):
+    """--eval-data replaces the built-in evaluation split (so that a run needs no download), and the run says so."""
+    other = tmp_path / "eval.txt"
+    other.write_text("def f(x): return x + 1\n" * 60)
+    first = {}
+    for name, evaluation in (("same", _text(tmp_path)), ("other", other)):
+        out = tmp_path / name
+        r = leanlm("distill", "--teacher", tiny_dir, "--student", tiny_dir, "--data", _text(tmp_path),
+                   "--eval-data", evaluation, "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                   "--eval-tokens", "128", "-o", out)
+        assert r.returncode == 0, r.stderr
+        run = json.loads((out / "distill.json").read_text())
+        assert run["eval_data"] == str(evaluation)
+        first[name] = run["history"]["evals"][0]
+    assert first["same"]["kl"] < 1e-6 and first["other"]["kl"] < 1e-6  # the student starts as the teacher
+    assert first["same"]["ppl"] != pytest.approx(first["other"]["ppl"], rel=1e-3)
 
 
 def test_bad_input_is_one_clear_line(tiny_dir, tmp_path):

@@ -222,7 +222,7 @@ def break_even(scorer: PromptCompressor, target: Target, rng: random.Random, met
     ids = target.tok.encode(task.context)
     contexts = {n: target.tok.decode(ids[:n]) for n in lengths}
     full = {n: target.prefill_seconds(contexts[n] + "\n\n" + task.question) for n in lengths}
-    for method in [m for m in methods if m in ("llmlingua", "longllmlingua", "selective")]:
+    for method in [m for m in methods if m.partition(":")[0] in ("llmlingua", "longllmlingua", "selective")]:
         for ratio in (2, 5):
             cells, net = [], []
             for n in lengths:

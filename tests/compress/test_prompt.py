@@ -31,6 +31,11 @@ def test_split_units_tiles_the_text_into_paragraphs_and_long_ones_into_lines():
     assert units == ["A.\nsays one\n\n", "B.\nsays two\nand more\n\n\n", "C. last"]
     lines = split_units(text, lambda s: len(s.split()), max_tokens=4)
     assert "".join(lines) == text and "B.\n" in lines and "and more\n" in lines
+    # short units take in the next ones until they hold min_tokens, never past max_tokens
+    merged = split_units(text, lambda s: len(s.split()), min_tokens=4)
+    assert merged == ["A.\nsays one\n\nB.\nsays two\nand more\n\n\n", "C. last"]
+    assert split_units(text, lambda s: len(s.split()), max_tokens=5, min_tokens=4) == [
+        "A.\nsays one\n\n", "B.\nsays two\nand more\n\n\n", "C. last"]  # 3 + 5 words would pass max_tokens
 
 
 def test_budget_gives_the_context_what_the_fixed_parts_leave():

@@ -59,7 +59,7 @@ def split_units(text: str, count, max_tokens: int = UNIT_TOKENS, min_tokens: int
     units, sizes = [], []
     for para in re.split(r"(?<=\n\n)(?=[^\n])", text):
         for piece in filter(None, para.splitlines(keepends=True) if count(para) > max_tokens else [para]):
-            n = count(piece)
+            n = count(piece) if min_tokens else 0  # sizes matter only for joining
             if units and sizes[-1] < min_tokens and sizes[-1] + n <= max_tokens:
                 units[-1], sizes[-1] = units[-1] + piece, sizes[-1] + n
             else:

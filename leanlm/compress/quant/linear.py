@@ -167,7 +167,7 @@ class W4A16Linear(_QuantLinearBase):
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(G, out_features, dtype=torch.bfloat16))  # [K/g, N]
         self.register_buffer("zeros", torch.zeros(G, out_features, dtype=torch.bfloat16))  # [K/g, N]
-        self._tinygemm_weights = None  # CUDA: the weights in tinygemm's layout, made on first use
+        self._tinygemm_weights = None  # CUDA: (device, weights in tinygemm's layout or None), made on first use
         kernels.ops()  # built (or found) now, not first inside a compiled graph
 
     @classmethod
@@ -190,28 +190,32 @@ class W4A16Linear(_QuantLinearBase):
         return (q - 8) * self.scales.float().t().repeat_interleave(g, 1) + self.zeros.float().t().repeat_interleave(g, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and self._tinygemm_fits(x.device):
-            return self._finish(self._tinygemm(x.reshape(-1, self.in_features)), x)
+        if x.is_cuda and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and \
+                (weights := self._tinygemm_weights_on(x.device)) is not None:
+            packed, scales_zeros = weights
+            y = torch._weight_int4pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), packed,
+                                          self.group_size, scales_zeros)
+            return self._finish(y, x)
         if not x.is_cpu or (ops := kernels.ops()) is None:
             return self._reference(x)
         y = ops.int4_gemv(x.reshape(-1, self.in_features), self.weight_packed, self.scales, self.zeros,
                           self.group_size)
         return self._finish(y, x)
 
-    def _tinygemm_fits(self, device: torch.device) -> bool:
-        return (self.in_features % 128 == 0 and self.out_features % 8 == 0 and hasattr(torch, "_weight_int4pack_mm")
-                and torch.cuda.get_device_capability(device) >= (8, 0))
-
-    def _tinygemm(self, x2d: torch.Tensor) -> torch.Tensor:
-        """CUDA: torch's tinygemm kernel, whose grid is ours ((q - 8) * scale + zero per group) in its own tile
-        layout, made once on first use.  [M, K] -> [M, N] bfloat16"""
-        if self._tinygemm_weights is None or self._tinygemm_weights[0].device != x2d.device:
-            q = unpack_int4(self.weight_packed.to(x2d.device))  # [N, K] in [0, 15]
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()  # even k in the high nibble, as the kernel reads
-            self._tinygemm_weights = (torch._convert_weight_to_int4pack(pairs, 8),  # 8 inner k-tiles
-                                      torch.stack([self.scales, self.zeros], -1).to(x2d.device).contiguous())
-        packed, scales_zeros = self._tinygemm_weights
-        return torch._weight_int4pack_mm(x2d.to(torch.bfloat16), packed, self.group_size, scales_zeros)
+    def _tinygemm_weights_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """CUDA: (packed weight, scales and zeros) in torch's tinygemm layout, whose grid is ours ((q - 8) * scale +
+        zero per group), made once per device; None where the kernel does not take this layer or GPU."""
+        if self._tinygemm_weights is None or self._tinygemm_weights[0] != device:
+            fits = (self.in_features % 128 == 0 and self.out_features % 8 == 0
+                    and hasattr(torch, "_weight_int4pack_mm") and torch.cuda.get_device_capability(device) >= (8, 0))
+            weights = None
+            if fits:
+                q = unpack_int4(self.weight_packed.to(device))  # [N, K] in [0, 15]
+                pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()  # even k in the high nibble, as the kernel reads
+                weights = (torch._convert_weight_to_int4pack(pairs, 8),  # 8 inner k-tiles
+                           torch.stack([self.scales, self.zeros], -1).to(device).contiguous())
+            self._tinygemm_weights = device, weights
+        return self._tinygemm_weights[1]
 
     def options(self) -> dict:
         return {"group_size": self.group_size}

@@ -109,7 +109,7 @@ def parity(name: str, path: Path) -> Iterator[list]:
             b = ref(tokens).logits.float()
             del ref
         yield [name, str(dtype).removeprefix("torch."), float((a - b).abs().max() / b.abs().max()),
-                     f"{(a.argmax(-1) == b.argmax(-1)).float().mean().item():.1%}"]
+               f"{(a.argmax(-1) == b.argmax(-1)).float().mean().item():.1%}"]
         empty_cache()
 
 

@@ -14,23 +14,20 @@ from leanlm.compress.distill.trainer import DistillConfig, Trainer
 from leanlm.compress.prompt import PromptCompressor
 from leanlm.engine import Engine
 from leanlm.generation.compiled import CompiledDecoder
-from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
 from leanlm.generation.speculative import DraftProposer, speculative_generate
 from leanlm.generation.text import generate
 from leanlm.models.loading import load_model
 from leanlm.tokenizer import Tokenizer
 from tests.conftest import make_hf_model
+from tests.generation.test_speculative import plain_greedy
 from tests.test_cli import leanlm
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda")
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+NEW = 16  # tokens generated per prompt
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 PROMPTS = [[5, 9, 11, 3], list(range(20, 61)), [7] * 9]
-
-
-def greedy_ids(model, prompt, params=GREEDY):
-    return [step[0] for step in generate_ids(model, [prompt], params)]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 0.1), (torch.float16, 2e-2)])
@@ -48,7 +45,7 @@ def test_logits_match_transformers_on_cuda(tiny_hf, dtype, tol):
 def test_greedy_decoding_on_cuda_equals_the_cpu(tiny_dir):
     cpu, gpu = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.float32, CUDA)
     for prompt in PROMPTS:
-        assert greedy_ids(gpu, prompt) == greedy_ids(cpu, prompt)
+        assert plain_greedy(gpu, prompt, NEW) == plain_greedy(cpu, prompt, NEW)
 
 
 def test_compiled_decoding_on_cuda_equals_eager(tiny_dir):
@@ -73,7 +70,7 @@ def test_the_engine_on_cuda_equals_one_request_at_a_time(tiny_dir, options):
     seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps)]
     while engine.has_work:
         engine.step()
-    assert [s.output_ids for s in seqs] == [greedy_ids(model, p) for p in ps]
+    assert [s.output_ids for s in seqs] == [plain_greedy(model, p, NEW) for p in ps]
     assert engine.pool.k[0].device.type == "cuda"
 
 
@@ -84,7 +81,7 @@ def test_speculative_decoding_on_cuda_equals_target_greedy(tmp_path):
     for prompt in PROMPTS:
         out = [t for step in speculative_generate(target, prompt, GREEDY, DraftProposer(draft, 80, GREEDY), 4)
                for t in step]
-        assert out == greedy_ids(target, prompt)
+        assert out == plain_greedy(target, prompt, NEW)
 
 
 @pytest.mark.parametrize("name,kw", [("w8a16", dict(bits=8)), ("w4a16", dict(bits=4, group_size=32)),

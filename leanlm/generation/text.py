@@ -27,11 +27,20 @@ def eos_ids(model: Transformer, tokenizer: Tokenizer) -> set[int]:
 
 
 class Detokenizer:
-    """One sequence's generated text; emits only text that can no longer become a stop string."""
+    """One sequence's generated text, decoded incrementally; emits only text that can no longer become a stop string.
+
+    Each token decodes a short window of ids, as vLLM's incremental detokenizer does: `ids[prefix:read]` were
+    decoded already, `ids[read:]` are new; the new text is decode(ids[prefix:]) minus decode(ids[prefix:read]), so
+    a tokenizer that decodes a window's first token differently (SentencePiece/ByteLevel spaces) cancels out. The
+    offsets move on only once the new text is a whole character (no trailing U+FFFD), so they always sit at
+    character boundaries and `text` is exactly tokenizer.decode(ids) at every step.
+    """
 
     def __init__(self, prompt_ids: list[int], stops: tuple[str, ...], eos: set[int]):
         self.prompt_ids, self.ids, self.stops, self.eos = prompt_ids, [], stops, eos
         self.text, self.emitted, self.finish_reason = "", 0, None
+        self.prefix = self.read = 0  # ids[prefix:read] give the text just before text[done:]
+        self.done = 0  # text[:done] is final: its ids are before `read`
 
     def add(self, token: int, tokenizer: Tokenizer) -> str:
         if token in self.eos:  # kept in the token ids, never in the text
@@ -39,16 +48,22 @@ class Detokenizer:
             self.finish_reason = "stop"
             return self.flush(len(self.text))
         self.ids.append(token)
-        self.text = tokenizer.decode(self.ids)
+        before = tokenizer.decode(self.ids[self.prefix : self.read])
+        window = tokenizer.decode(self.ids[self.prefix :])
+        new = window[len(before) :]
+        self.text = self.text[: self.done] + new
+        if len(window) > len(before) and not window.endswith("\ufffd"):
+            self.prefix, self.read, self.done = self.read, len(self.ids), len(self.text)
         for stop in self.stops:
             at = self.text.find(stop, max(0, self.emitted - len(stop)))
             if at >= 0:
                 self.text, self.finish_reason = self.text[:at], "stop"
                 return self.flush(at)
-        safe = len(self.text.rstrip("\ufffd"))  # an incomplete UTF-8 character waits for its next token
+        # an incomplete UTF-8 character waits for its next token (text[:done] never ends in one)
+        safe = len(self.text) - len(new) + len(new.rstrip("\ufffd"))
         for stop in self.stops:
             for n in range(min(len(stop) - 1, safe), 0, -1):
-                if self.text[:safe].endswith(stop[:n]):
+                if self.text.endswith(stop[:n], 0, safe):
                     safe -= n
                     break
         return self.flush(safe)

@@ -1,9 +1,11 @@
+import random
+
 import pytest
 import torch
 
 from leanlm.errors import LeanLMError
 from leanlm.generation.sampling import SamplingParams
-from leanlm.generation.text import generate, stream
+from leanlm.generation.text import Detokenizer, generate, stream
 from leanlm.models.loading import load_model
 from leanlm.tokenizer import Tokenizer
 
@@ -67,3 +69,84 @@ def test_prompt_longer_than_context_is_refused(lm):
     model, tok = lm
     with pytest.raises(LeanLMError, match="context window is 256"):
         generate(model, tok, "hello " * 300, SamplingParams(max_tokens=4))
+
+
+# Incremental detokenization: Detokenizer decodes a short window per token; its text must be the full decode.
+
+MULTIBYTE = "naïve café, Ελληνικά, Привет! 日本語のテキスト、中文测试。emoji 😀👍🏽🇫🇷🧑‍💻 done"
+MERGES = "  two leading spaces\n\n\tdef f(x):\n        return x + 1  # 1234567890\n\n\n3.14159 2718  end  \n"
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2-135m", marks=pytest.mark.real_model),
+                                        pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.real_model)])
+def any_tok(request, tmp_path_factory):
+    """The tiny Metaspace (SentencePiece-like) tokenizer, SmolLM2's ByteLevel one, Qwen2.5's if already pulled."""
+    from leanlm.fetch import cache_dir
+    from leanlm.models.zoo import pull
+    from tests.conftest import make_tokenizer
+
+    if request.param == "tiny":
+        path = tmp_path_factory.mktemp("tok")
+        make_tokenizer(path)
+    elif request.param == "smollm2-135m":
+        path = pull(request.param, progress=False)
+    else:  # half a gigabyte: used only where the zoo cache has it
+        path = cache_dir() / "models" / request.param
+        if not (path / "tokenizer.json").is_file():
+            pytest.skip(f"{request.param} is not in the zoo cache")
+    return Tokenizer(path)
+
+
+def detokenize_checked(tok, ids, stops=()):
+    """Feed ids one by one: at every step the text is the full decode so far and the emitted text a prefix of it."""
+    d, out = Detokenizer([], stops, set()), ""
+    for i, token in enumerate(ids):
+        out += d.add(token, tok)
+        if d.finish_reason:
+            return out, d
+        full = tok.decode(ids[: i + 1])
+        assert d.text == full
+        assert full.startswith(out)
+        if not stops:
+            assert out == full.rstrip("\ufffd")  # everything but an incomplete character
+    out += d.flush(len(d.text))
+    assert out == d.text == tok.decode(ids)
+    return out, d
+
+
+@pytest.mark.parametrize("text", [MULTIBYTE, MERGES])
+def test_incremental_text_equals_full_decode(any_tok, text):
+    ids = any_tok.encode(text, add_special_tokens=False)
+    detokenize_checked(any_tok, ids)
+
+
+def test_decoding_each_token_alone_would_fail(any_tok):
+    """The texts above catch a naive detokenizer: split characters (ByteLevel), dropped spaces (Metaspace)."""
+    ids = any_tok.encode(MULTIBYTE + MERGES, add_special_tokens=False)
+    assert "".join(any_tok.decode([t]) for t in ids) != any_tok.decode(ids)
+
+
+def test_multibyte_characters_split_across_tokens_wait(any_tok):
+    ids = any_tok.encode(MULTIBYTE, add_special_tokens=False)
+    if not any(any_tok.decode(ids[:i]).endswith("\ufffd") for i in range(len(ids))):
+        pytest.skip("this tokenizer has no byte tokens")  # the tiny one maps unknown characters to <unk>
+    d = Detokenizer([], (), set())
+    pieces = [d.add(t, any_tok) for t in ids]
+    assert all("\ufffd" not in p for p in pieces) and "".join(pieces) == any_tok.decode(ids) == MULTIBYTE
+
+
+def test_random_ids_decode_incrementally(any_tok):
+    rng = random.Random(0)
+    for _ in range(3):  # random ids: invalid UTF-8, special tokens, odd merges
+        detokenize_checked(any_tok, [rng.randrange(any_tok.vocab_size) for _ in range(200)])
+
+
+@pytest.mark.parametrize("stop", ["中文", "\n\n\n", "😀👍"])
+def test_stop_string_over_multibyte_text(any_tok, stop):
+    text = MULTIBYTE + MERGES
+    ids = any_tok.encode(text, add_special_tokens=False)
+    full = any_tok.decode(ids)
+    if stop not in full:
+        pytest.skip("the tiny tokenizer loses these characters")
+    out, d = detokenize_checked(any_tok, ids, (stop,))
+    assert d.finish_reason == "stop" and out == d.text == full[: full.index(stop)]

@@ -3,13 +3,15 @@ counts and prefix caching.  PagedAttention: https://arxiv.org/abs/2309.06180
 
 A sequence owns a block table (block ids, in order); token position p lives in slot
 `table[p // block_size] * block_size + p % block_size` of every layer's pool. A full block is keyed by a chained
-hash of (its parent's key, its token ids): a new sequence whose prompt starts with the same tokens reuses those
+SHA-256 of (its parent's key, its token ids): a new sequence whose prompt starts with the same tokens reuses those
 blocks instead of computing them again. A freed block keeps its contents and key until the pool needs it back
 (least recently freed first), so a prompt seen a while ago can still be found.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Protocol
 
@@ -94,10 +96,20 @@ class KVPool:
                 t[dst] = t[src]
 
 
+# The parent key of a sequence's first block.
+ROOT_KEY = hashlib.sha256(b"leanlm prefix cache").digest()
+
+
+def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
+    """SHA-256 of (parent key, the block's ids as int64): equal keys mean equal prefixes, collisions aside, which
+    Python's `hash` (not collision resistant) could not promise: a collision would hand one request another's KV."""
+    return hashlib.sha256((parent or ROOT_KEY) + array("q", tokens).tobytes()).digest()
+
+
 class HasBlocks(Protocol):
     token_ids: list[int]      # prompt and output so far
     block_table: list[int]
-    block_keys: list          # prefix keys of the leading full blocks that are registered
+    block_keys: list[bytes]   # prefix keys of the leading full blocks that are registered
     num_cached: int           # leading tokens found in the prefix cache at allocation
 
 
@@ -108,8 +120,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self.ref = [0] * num_blocks
-        self.key_of: list = [None] * num_blocks
-        self.cached: dict = {}  # key -> block holding exactly those tokens after exactly that prefix
+        self.key_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # key -> block holding exactly those tokens after exactly that prefix
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.queries = self.hits = 0  # prefix-cache lookups and hits, in tokens
 
@@ -122,9 +134,6 @@ class BlockManager:
         """Fraction of blocks held by a running sequence."""
         return 1 - len(self.free) / self.num_blocks
 
-    def _key(self, parent, tokens: list[int]):
-        return (hash(parent), tuple(tokens))
-
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)
         key = self.key_of[block]
@@ -135,15 +144,16 @@ class BlockManager:
         self.ref[block] = 1
         return block
 
-    def allocate(self, seq: HasBlocks, reserve: int = 0) -> bool:
+    def allocate(self, seq: HasBlocks, reserve: int = 0, reuse: bool = True) -> bool:
         """Admit seq: take the longest cached prefix of its tokens (never the block of the last token, which must be
-        computed to give logits); the rest come with `grow`, chunk by chunk. False, with nothing taken, if all its
-        tokens would leave fewer than `reserve` blocks free."""
+        computed to give logits; none with reuse=False, when every position's logits are wanted); the rest come with
+        `grow`, chunk by chunk. False, with nothing taken, if all its tokens would leave fewer than `reserve` blocks
+        free."""
         bs, tokens = self.block_size, seq.token_ids
         hits, keys, key = [], [], None
-        if self.prefix_caching:
+        if self.prefix_caching and reuse:
             for i in range((len(tokens) - 1) // bs):
-                key = self._key(key, tokens[i * bs : (i + 1) * bs])
+                key = block_key(key, tokens[i * bs : (i + 1) * bs])
                 if (block := self.cached.get(key)) is None:
                     break
                 hits.append(block)
@@ -179,7 +189,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_keys), num_computed // bs):
-            key = self._key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids[i * bs : (i + 1) * bs])
+            key = block_key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids[i * bs : (i + 1) * bs])
             block = seq.block_table[i]
             self.cached.setdefault(key, block)  # a twin computed concurrently keeps the first one
             self.key_of[block] = key

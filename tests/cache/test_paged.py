@@ -1,10 +1,12 @@
 import random
+import sys
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from leanlm.cache.paged import BlockManager, KVPool
+from leanlm.cache import paged
+from leanlm.cache.paged import BlockManager, KVPool, block_key
 from leanlm.cache.paged_attention import PagedStep
 from leanlm.cache.static import StaticCache
 from leanlm.models.loading import load_model
@@ -51,6 +53,30 @@ def test_eviction_forgets_overwritten_blocks():
     c = Seq([1, 2, 3, 4, 5])
     assert not bm.allocate(c)  # needs 3 blocks; nothing taken
     assert bm.num_free == 2 and c.block_table == []
+
+
+def test_prefixes_colliding_under_python_hash_share_no_block(monkeypatch):
+    """hash(2**61 - 1) == hash(0), so under the old key (hash(parent key), tokens) two prompts that differ only in
+    their first token gave their second blocks one key, and a third prompt was served the other one's KV."""
+    m = sys.hash_info.modulus
+    assert hash(m) == hash(0)
+    first_a, first_b, second = [0, 1, 2, 3], [m, 1, 2, 3], [5, 6, 7, 8]
+    assert block_key(block_key(None, first_a), second) != block_key(block_key(None, first_b), second)
+
+    def serve():  # a and b computed and registered, then c (b's prompt again) admitted
+        bm = BlockManager(num_blocks=8, block_size=4)
+        a, b, c = Seq(first_a + second + [9]), Seq(first_b + second + [9]), Seq(first_b + second + [9])
+        for s in (a, b):
+            assert bm.allocate(s) and bm.grow(s, 9)
+            bm.commit(s, 9)
+        assert bm.allocate(c) and c.num_cached == 8
+        return a, b, c
+
+    a, b, c = serve()
+    assert c.block_table == b.block_table[:2]
+    monkeypatch.setattr(paged, "block_key", lambda parent, tokens: (hash(parent), tuple(tokens)))
+    a, b, c = serve()
+    assert c.block_table == [b.block_table[0], a.block_table[1]]  # the old scheme: a's block after b's prefix
 
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one():

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _int8_kv, app, err, out
+from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, _int8_kv, app, err, out
 
 
 @app.command()
@@ -16,8 +16,13 @@ def serve(
     model: Model,
     host: Annotated[str, typer.Option(help="address to bind (loopback unless you mean to expose it)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(help="require `Authorization: Bearer KEY` on /v1/ routes")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: MODEL)")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="require `Authorization: Bearer KEY` on /v1/ routes (visible "
+                                                        "in `ps`: prefer --api-key-file or LEANLM_API_KEY)",
+                                                   envvar="LEANLM_API_KEY", show_envvar=True)] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(help="read the API key from this file (first line)")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: MODEL's "
+                                                                  "name, never its path)")] = None,
+    max_n: Annotated[int, typer.Option(help="most completions (n) one request may ask for")] = 16,
     max_num_seqs: Annotated[int, typer.Option(help="most sequences decoded together")] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step (prompt chunks fill it)")] = 1024,
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "2GiB",
@@ -40,6 +45,13 @@ def serve(
     from leanlm.engine import AsyncLLM
     from leanlm.serve import serve as run_server
 
+    if api_key_file is not None:
+        try:
+            api_key = api_key_file.read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            _fail(f"--api-key-file {api_key_file}: cannot read a key from it ({e or 'empty'})")
+    name = served_model_name or Path(model).name  # a directory's path stays private to the server
+
     options = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
                    kv_cache_dtype="int8" if _int8_kv(kv_cache) else "auto", max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, prompt_lookup=prompt_lookup,
@@ -49,11 +61,11 @@ def serve(
 
         if threads is not None:
             options["threads"] = threads
-        serve_replicas(model, served_model_name or model, replicas, host, port, api_key, max_requests, options,
+        serve_replicas(model, name, replicas, host, port, api_key, max_requests, options,
                        ray_address, prompt_scorer=prompt_scorer)
         return
     llm = AsyncLLM(model, threads=threads, **options)
-    run_server(llm, served_model_name or model, host, port, api_key, max_requests, prompt_scorer=prompt_scorer)
+    run_server(llm, name, host, port, api_key, max_requests, prompt_scorer=prompt_scorer, max_n=max_n)
 
 
 @app.command("bench-serve", hidden=True)  # `leanlm bench serve ...` (main() rewrites it to this verb)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -14,7 +15,7 @@ from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import check_fits
-from leanlm.generation.sampling import SamplingParams, probabilities, sample_rows
+from leanlm.generation.sampling import SamplingParams, TokenLogprobs, probabilities, sample_rows
 from leanlm.generation.speculative import LookupProposer, verify
 from leanlm.generation.text import Detokenizer, encode_prompt, eos_ids
 from leanlm.models.transformer import Transformer
@@ -39,7 +40,12 @@ class Engine:
         scratch, compiled = self.pool.num_blocks - 1, None
         self.blocks = BlockManager(scratch, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        if compile and not deterministic and CompiledPagedDecoder.supports(self.pool):
+        if compile and (deterministic or not CompiledPagedDecoder.supports(self.pool)):
+            why = "deterministic mode feeds fixed tiles" if deterministic else (
+                "the int8 KV cache is quantized outside the graph" if self.pool.int8 else
+                "the paged-attention kernel is unavailable (a CPU float32/bfloat16 model and a C++ compiler)")
+            print(f"leanlm: warning: compile is off, steps run eager: {why}", file=sys.stderr)
+        elif compile:
             compiled = CompiledPagedDecoder(model, self.pool, scratch)
         self.runner = Runner(model, self.pool, compiled, deterministic, scratch)
         self.eos = eos_ids(model, tokenizer)
@@ -70,6 +76,8 @@ class Engine:
                 if not isinstance(t, int) or not 0 <= t < vocab:
                     raise LeanLMError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
         max_tokens = check_fits(self.model, len(ids), params.max_tokens)
+        if params.max_tokens is None:  # to the end of the context, as far as the KV cache holds one sequence
+            max_tokens = max(1, min(max_tokens, self.capacity - len(ids)))
         need = cdiv(len(ids) + max_tokens, self.blocks.block_size)
         if need > self.blocks.num_blocks:
             raise LeanLMError(f"a request of {len(ids)} prompt + {max_tokens} new tokens needs {need} KV blocks; the "
@@ -101,6 +109,11 @@ class Engine:
                 self.scheduler.finish(seq)
 
     @property
+    def capacity(self) -> int:
+        """Tokens the KV cache holds."""
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
@@ -109,7 +122,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sampling, logits = self.runner.run(batch)
+        sampling, logits, prompt_rows = self.runner.run(batch)
+        if prompt_rows:
+            self._prompt_logprobs(prompt_rows, logits[len(logits) - sum(n for _, _, n in prompt_rows):])
         for seq, n in batch:
             if not seq.proposal:
                 seq.num_computed += n
@@ -124,7 +139,7 @@ class Engine:
             histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in seqs]
             picked = logits if rows == list(range(len(logits))) else logits[rows]  # no copy in the common case
             tokens, logprobs = sample_rows(picked, [s.params for s in seqs], [s.generator for s in seqs],
-                                           histories, [s.banned() for s in seqs])
+                                           histories, [s.banned() for s in seqs], [s.output_ids for s in seqs])
             deltas += [self._append(seq, [token], lp and [lp], now) for seq, token, lp in zip(seqs, tokens, logprobs)]
         for seq, row in zip(sampling, starts):
             if seq.proposal:
@@ -134,14 +149,14 @@ class Engine:
     def _propose(self) -> None:
         """Prompt lookup: a decoding sequence proposes the tokens that followed the latest earlier match of its last
         n-gram (generation.speculative.LookupProposer). Requests whose sampling looks at more than the logits of
-        each position (repetition penalty, pending min_tokens, logprobs) decode plainly."""
+        each position (penalties, logit bias, pending min_tokens, logprobs) decode plainly."""
         if self.lookup is None:
             return
         for seq in self.scheduler.running:
             p, room = seq.params, min(self.num_speculative, seq.max_tokens - len(seq.output_ids) - 1)
             eligible = seq.remaining == 1 and seq.num_computed > 0 and not seq.children and room > 0
-            plain = p.repetition_penalty != 1 or p.logprobs is not None or len(seq.output_ids) < p.min_tokens
-            seq.proposal = self.lookup.propose(seq.token_ids, room, None)[0] if eligible and not plain else []
+            eligible = eligible and p.plain and len(seq.output_ids) >= p.min_tokens
+            seq.proposal = self.lookup.propose(seq.token_ids, room, None)[0] if eligible else []
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, now: float) -> Delta:
         """Accept the longest right prefix of the proposal and one more token  # logits [1 + k, V].
@@ -157,6 +172,19 @@ class Engine:
         self.spec_proposed += len(proposal)
         self.spec_accepted += accepted
         return self._append(seq, proposal[:accepted] + [following], None, now)
+
+    def _prompt_logprobs(self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
+        """Each prompt token's log-probability given the ones before it, with the top alternatives
+        # logits [sum of n, V]: for (seq, position, n), the rows at positions position .. position + n - 1"""
+        lp = logits.float().log_softmax(-1)
+        at = 0
+        for seq, position, n in prompt_rows:
+            rows, k = lp[at : at + n], seq.params.prompt_logprobs
+            nxt = seq.prompt_ids[position + 1 : position + 1 + n]
+            chosen = rows.gather(-1, torch.tensor(nxt, device=rows.device)[:, None])[:, 0].tolist()
+            top_v, top_i = (x.tolist() for x in rows.topk(k, dim=-1)) if k else ([[]] * n, [[]] * n)
+            seq.prompt_logprobs += [TokenLogprobs(t, c, list(zip(i, v))) for t, c, i, v in zip(nxt, chosen, top_i, top_v)]
+            at += n
 
     def _fork(self, sampling: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int]]:
         """(sequence, logits row) to sample; a request's other completions join once its prompt is computed,
@@ -181,6 +209,7 @@ class Engine:
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None, now: float) -> Delta:
         """Add sampled tokens (several after an accepted proposal) until one finishes the sequence."""
+        first = seq.first_token_time is None
         seq.first_token_time = seq.first_token_time or now
         text, added = "", []
         for token in tokens:
@@ -200,7 +229,8 @@ class Engine:
             self.scheduler.finish(seq)
             if all(s.finished for s in self.requests.get(seq.request_id, [])):
                 del self.requests[seq.request_id]
-        return Delta(seq.request_id, seq.index, text, added, seq.finish_reason, logprobs)
+        prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
+        return Delta(seq.request_id, seq.index, text, added, seq.finish_reason, logprobs, prompt_logprobs)
 
 
 def request_output(seqs: list[Sequence]) -> RequestOutput:
@@ -209,5 +239,6 @@ def request_output(seqs: list[Sequence]) -> RequestOutput:
     outputs = [CompletionOutput(s.index, s.detokenizer.text, s.output_ids, s.finish_reason,
                                 s.logprobs if s.params.logprobs is not None else None) for s in seqs]
     ttft = first.first_token_time - first.arrival if first.first_token_time else None
+    prompt_logprobs = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
     return RequestOutput(first.request_id, first.prompt_ids, outputs, all(s.finished for s in seqs),
-                         first.num_cached, {"ttft": ttft})
+                         first.num_cached, {"ttft": ttft}, prompt_logprobs)

@@ -32,6 +32,10 @@ def _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_op
     return engine
 
 
+class EngineStopped(LeanLMError):
+    """The engine is not running (it failed, or was shut down): for a server, a 503 rather than the client's fault."""
+
+
 class LLM:
     """leanlm.LLM("smollm2-135m").generate(prompts, SamplingParams(...)) -> one RequestOutput per prompt.
 
@@ -132,14 +136,24 @@ class AsyncLLM:
         """Queue a request from a running event loop; (its sequences, the queue its Deltas arrive on: `queue`, which
         several requests may share, or a new one). An engine failure arrives on it as an exception object. The
         sequences belong to the engine thread: read only their ids and prompt."""
-        if self.error is not None or self._stopped:
-            raise LeanLMError(f"the engine is not running ({self.error or 'shut down'})")
-        request_id = request_id or f"req-{next(self._ids)}"
-        seqs = self.engine.make_request(request_id, prompt, params, chat)
-        queue = queue or asyncio.Queue()
+        self._check_running()
+        seqs = self.engine.make_request(request_id or f"req-{next(self._ids)}", prompt, params, chat)
+        return seqs, self.submit(seqs, queue)
+
+    def submit(self, seqs: list[Sequence], queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue a request made by engine.make_request (which may run on any thread, e.g. off the event loop)."""
+        request_id, queue = seqs[0].request_id, queue or asyncio.Queue()
         self._sinks[request_id] = asyncio.get_running_loop(), queue
-        self._post(("add", seqs))
-        return seqs, queue
+        try:
+            self._post(("add", seqs))
+        except EngineStopped:
+            self._sinks.pop(request_id, None)
+            raise
+        return queue
+
+    def _check_running(self) -> None:
+        if self.error is not None or self._stopped:
+            raise EngineStopped(f"the engine is not running ({self.error or 'shut down'})")
 
     async def stream(self, prompt, params: SamplingParams, request_id: str | None = None,
                      chat: bool = False) -> AsyncIterator[Delta]:
@@ -153,7 +167,7 @@ class AsyncLLM:
                 if isinstance(delta, LeanLMError):
                     raise delta
                 if isinstance(delta, BaseException):
-                    raise LeanLMError(f"the engine stopped: {delta}")
+                    raise EngineStopped(f"the engine stopped: {delta}")
                 done += delta.finish_reason is not None
                 yield delta
         finally:
@@ -177,7 +191,9 @@ class AsyncLLM:
         self._thread.join()
 
     def _post(self, item) -> None:
-        with self._wake:
+        with self._wake:  # checked under the lock the failing engine thread takes: nothing is posted to a dead loop
+            if item[0] == "add":
+                self._check_running()
             self._inbox.append(item)
             self._wake.notify()
 
@@ -205,7 +221,8 @@ class AsyncLLM:
                 for delta in self.engine.step():
                     self._send(delta.request_id, delta)
         except BaseException as e:  # every waiting stream learns why instead of hanging
-            self.error = e
+            with self._wake:
+                self.error = e
             for loop, queue in list(self._sinks.values()):
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             raise

@@ -34,39 +34,35 @@ class Runner:
                               "bfloat16) and a C++ compiler to build the kernel")
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """Feed each sequence its next n tokens; (the sequences that reach their last token, their logits [R, V]:
-        one row each, 1 + len(proposal) for a speculating one)."""
+    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, list]:
+        """Feed each sequence its next n tokens; (the sequences that reach their last token, the logits [R + P, V]:
+        first their rows (one each, 1 + len(proposal) for a speculating one), then P rows of prompt positions
+        whose next token's log-probability was asked for, and those as (sequence, first position, rows))."""
         if self.deterministic:
             return self._run_tiles(batch)
         dev = self.model.device
         if self.compiled is not None and len(batch) <= BUCKETS[-1] and all(n == 1 for _, n in batch):
             seqs = [s for s, _ in batch]
             return seqs, self.compiled.run([s.block_table for s in seqs], [s.num_computed for s in seqs],
-                                           [s.token_ids[-1] for s in seqs])
-        tokens, positions, rows, sampling = [], [], [], []
+                                           [s.token_ids[-1] for s in seqs]), []
+        tokens, positions = [], []
         for seq, n in batch:
-            begin = seq.num_computed
             tokens.extend(seq.fed(n))
-            positions.extend(range(begin, begin + n))
-            if r := seq.rows(n):
-                rows.extend(range(len(tokens) - r, len(tokens)))
-                sampling.append(seq)
+            positions.extend(range(seq.num_computed, seq.num_computed + n))
+        sampling, rows, prompt_rows = _rows(batch)
         step = PagedStep(self.pool, [s.block_table for s, _ in batch], [s.num_computed for s, _ in batch],
                          [n for _, n in batch], dev)
         logits = self.model(torch.tensor([tokens], device=dev), torch.tensor([positions], device=dev), step,
                             rows=torch.tensor(rows, dtype=torch.long, device=dev))
-        return sampling, logits[0]
+        return sampling, logits[0], prompt_rows
 
-    def _run_tiles(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def _run_tiles(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, list]:
         """Every token a single query, TILE at a time; padding rows write the scratch block."""
         dev, pad = self.model.device, ([self.scratch], 0, 0)  # (block table, position, token)
-        queries, sampling, rows = [], [], []
+        queries = []
         for seq, n in batch:
             queries += [(seq.block_table, seq.num_computed + i, t) for i, t in enumerate(seq.fed(n))]
-            if r := seq.rows(n):
-                sampling.append(seq)
-                rows.extend(range(len(queries) - r, len(queries)))
+        sampling, rows, prompt_rows = _rows(batch)
         hidden = []
         for i in range(0, len(queries), TILE):
             tile = queries[i : i + TILE]
@@ -76,8 +72,23 @@ class Runner:
             hidden.append(self.model.hidden(torch.tensor([tokens], device=dev), torch.tensor([positions], device=dev),
                                             step)[0])
         if not rows:  # only prompt chunks with more to come
-            return [], torch.empty(0)
+            return [], torch.empty(0), []
         x = torch.cat(hidden)[rows]  # [R, hidden]
         x = torch.cat([x, x.new_zeros(-len(x) % TILE, x.shape[1])])
         logits = torch.cat([self.model.logits(x[i : i + TILE]) for i in range(0, len(x), TILE)])
-        return sampling, logits[: len(rows)]
+        return sampling, logits[: len(rows)], prompt_rows
+
+
+def _rows(batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[tuple[Sequence, int, int]]]:
+    """Which rows of the step's packed tokens need logits: the sampling sequences' rows, then the prompt rows whose
+    log-probabilities were asked for; (sampling sequences, row indices, (sequence, first position, rows))."""
+    sampling, rows, prompt, prompt_rows, end = [], [], [], [], 0
+    for seq, n in batch:
+        end += n
+        if r := seq.rows(n):
+            rows.extend(range(end - r, end))
+            sampling.append(seq)
+        if p := seq.prompt_logprob_rows(n):
+            prompt.extend(range(end - n, end - n + p))
+            prompt_rows.append((seq, seq.num_computed, p))
+    return sampling, rows + prompt, prompt_rows

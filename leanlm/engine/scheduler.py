@@ -58,7 +58,8 @@ class Scheduler:
                    if s.remaining > 1)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.allocate(seq, reserve=owed + (self.watermark if self.running else 0)):
+            reserve = owed + (self.watermark if self.running else 0)
+            if not self.blocks.allocate(seq, reserve, reuse=seq.prompt_logprob_rows(1) == 0):
                 break
             self.waiting.popleft()
             seq.num_computed = seq.num_cached

@@ -30,6 +30,7 @@ class Sequence:
         self.detokenizer = detokenizer
         self.finish_reason: str | None = None
         self.logprobs: list = []
+        self.prompt_logprobs: list = [None]  # per prompt token when asked for: none for the first
         self.generator = None
         if params.seed is not None:  # one stream of draws per completion; preemption does not replay it
             self.generator = torch.Generator().manual_seed(params.seed + index)
@@ -66,6 +67,13 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def prompt_logprob_rows(self, n: int) -> int:
+        """How many of the next n fed tokens give a prompt token's log-probability still missing (0 when not asked
+        for, and when computed again after preemption)."""
+        if self.params.prompt_logprobs is None or len(self.prompt_logprobs) != self.num_computed + 1:
+            return 0
+        return max(0, min(n, self.num_prompt - 1 - self.num_computed))
+
     def banned(self) -> set[int] | None:
         """Token ids it may not sample yet: the stop ids until min_tokens are out."""
         return self.stop_ids if len(self.output_ids) < self.params.min_tokens else None
@@ -89,6 +97,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # None, then sampling.TokenLogprobs per prompt token, when asked for
 
 
 @dataclass
@@ -100,3 +109,4 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # on a completion's first delta, when asked for

@@ -22,14 +22,14 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
 
 
-def check_fits(model: Transformer, prompt_len: int, max_tokens: int) -> int:
-    """Clip max_tokens to the context window; refuse a prompt that does not fit at all."""
+def check_fits(model: Transformer, prompt_len: int, max_tokens: int | None) -> int:
+    """Clip max_tokens (None: no limit) to the context window; refuse a prompt that does not fit at all."""
     window = model.config.max_position
     if prompt_len == 0:
         raise LeanLMError("empty prompt: give at least one token of text")
     if prompt_len >= window:
         raise LeanLMError(f"prompt is {prompt_len} tokens; the model's context window is {window} tokens")
-    return min(max_tokens, window - prompt_len)
+    return window - prompt_len if max_tokens is None else min(max_tokens, window - prompt_len)
 
 
 @torch.inference_mode()

@@ -18,14 +18,18 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 mean no truncation; seed makes sampling repeatable.
 
-    repetition_penalty 1 means none; min_tokens holds off EOS and stop_token_ids; n is completions per prompt;
-    logprobs None means none, k means the sampled token's log-probability plus the k most likely alternatives.
+    max_tokens None means up to the end of the context window. repetition_penalty 1 means none (CTRL's, over prompt
+    and output); presence_penalty and frequency_penalty 0 mean none (OpenAI's, over the output only: a seen token's
+    logit less presence once plus frequency per occurrence); logit_bias adds to chosen ids' logits ({id: bias},
+    bias in [-100, 100]); min_tokens holds off EOS and stop_token_ids; n is completions per prompt; logprobs None
+    means none, k means the sampled token's log-probability plus the k most likely alternatives; prompt_logprobs k
+    the same for every prompt token (the first has none).
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    max_tokens: int = 128
+    max_tokens: int | None = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
@@ -35,6 +39,10 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -43,8 +51,8 @@ class SamplingParams:
             raise LeanLMError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise LeanLMError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise LeanLMError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and _integer("max_tokens", self.max_tokens) < 1:
+            raise LeanLMError(f"max_tokens must be >= 1 (or None: to the end of the context), got {self.max_tokens}")
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if self.seed is not None:
             object.__setattr__(self, "seed", _integer("seed", self.seed, "an int or None"))
@@ -60,22 +68,39 @@ class SamplingParams:
             raise LeanLMError(f"stop_token_ids must be token ids >= 0, got {min(ids)} in {ids}")
         object.__setattr__(self, "stop_token_ids", ids)
         min_tokens = _integer("min_tokens", self.min_tokens)
-        if not 0 <= min_tokens <= self.max_tokens:
+        if min_tokens < 0 or self.max_tokens is not None and min_tokens > self.max_tokens:
             raise LeanLMError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {min_tokens}")
         object.__setattr__(self, "min_tokens", min_tokens)
         n = _integer("n", self.n)
         if n < 1:
             raise LeanLMError(f"n must be >= 1 (completions per prompt), got {n}")
         object.__setattr__(self, "n", n)
-        if self.logprobs is not None:
-            k = _integer("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
-            if not 0 <= k <= MAX_LOGPROBS:
-                raise LeanLMError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {k}")
-            object.__setattr__(self, "logprobs", k)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(self, name)) is not None:
+                k = _integer(name, k, f"None or an int in [0, {MAX_LOGPROBS}]")
+                if not 0 <= k <= MAX_LOGPROBS:
+                    raise LeanLMError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {k}")
+                object.__setattr__(self, name, k)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= _number(name, getattr(self, name)) <= 2:
+                raise LeanLMError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((_integer("logit_bias token id", int(t) if isinstance(t, str) and t.isdigit() else t),
+                             float(_number("logit_bias value", b))) for t, b in bias))
+        if any(not -100 <= b <= 100 or t < 0 for t, b in bias):
+            raise LeanLMError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain(self) -> bool:
+        """Sampling that looks at this position's logits alone: no penalty, bias or logprobs (the engine's fast path
+        and prompt lookup need it)."""
+        return (self.repetition_penalty == 1 and not self.presence_penalty and not self.frequency_penalty
+                and not self.logit_bias and self.logprobs is None)
 
 
 def _integer(name: str, value, expected: str = "an int"):
@@ -140,11 +165,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                 histories: list[list[int] | None],
-                banned: list[Iterable[int] | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
+                banned: list[Iterable[int] | None],
+                outputs: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row, each row with its own parameters  # logits [B, V] -> B ids, B logprobs or None
 
-    Row i: repetition penalty over histories[i] (prompt + output so far), banned[i] set to -inf (ids outside
-    [0, V) are ignored: they cannot be drawn anyway), then argmax if greedy, else temperature, top-k, min-p, top-p
+    Row i: repetition penalty over histories[i] (prompt + output so far), presence and frequency penalties over
+    outputs[i] (the output so far), logit bias, banned[i] set to -inf (ids outside [0, V) are ignored: they cannot
+    be drawn anyway), then argmax if greedy, else temperature, top-k, min-p, top-p
     and a draw with generators[i] (None: torch's default generator). A seeded row draws the same whatever its
     neighbours. Rows that share temperature, top_k, top_p and min_p get their distribution in one batched call.
     Logprobs come from log_softmax of the raw logits, before any of that (as vLLM reports them by default).
@@ -154,11 +181,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
                          f"logits {tuple(logits.shape)} and {len(params)}, {len(generators)}, {len(histories)}, "
                          f"{len(banned)}")
     banned = [() if b is None else list(b) for b in banned]
-    if not any(banned) and all(p.greedy and p.repetition_penalty == 1 and p.logprobs is None for p in params):
+    if not any(banned) and all(p.greedy and p.plain for p in params):
         # the engine's common step: one reduction, one sync. max().indices, not argmax: the same first maximum,
         # 4x faster on CPU ([256, 49152] bf16: 5.5 vs 23 ms)
         return logits.max(-1).indices.tolist(), [None] * len(params)
-    x = _processed(logits, params, histories, banned)
+    x = _processed(logits, params, histories, banned, outputs or [[]] * len(params))
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -171,18 +198,30 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
 
 
 def _processed(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int] | None],
-               banned: list[list[int]]) -> torch.Tensor:
-    """Logits after repetition penalty and banned ids, in float32  # [B, V] -> [B, V], never the caller's tensor
+               banned: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+    """Logits after the penalties, logit bias and banned ids, in float32  # [B, V] -> [B, V], never the caller's
 
     Repetition penalty (CTRL, https://arxiv.org/abs/1909.05858): for every id seen, a positive logit is divided by
-    the penalty and a negative one multiplied, so either way the seen token becomes less likely.
+    the penalty and a negative one multiplied, so either way the seen token becomes less likely. Presence and
+    frequency penalties (OpenAI's): minus presence for an id the output holds, minus frequency per occurrence.
     """
     penalised = [i for i, p in enumerate(params)
                  if p.repetition_penalty != 1 and histories[i] is not None and len(histories[i])]
-    if not penalised and not any(banned):
+    counted = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not penalised and not counted and not biased and not any(banned):
         return logits.float()
     x = logits.to(torch.float32, copy=True)
     device = logits.device
+    for i in counted:
+        ids, counts = torch.tensor(outputs[i], dtype=torch.long).unique(return_counts=True)
+        inside = ids < x.shape[-1]
+        p = params[i]
+        x[i, ids[inside].to(device)] -= (p.presence_penalty + p.frequency_penalty * counts[inside]).to(device)
+    for i in biased:  # ids past the logits cannot be drawn anyway
+        pairs = [(t, b) for t, b in params[i].logit_bias if t < x.shape[-1]]
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
+        x[i, ids] += torch.tensor([b for _, b in pairs], device=device)
     if penalised:
         # one gather and one scatter for the whole batch; an id seen twice writes the same value twice
         seen = torch.cat([torch.as_tensor(histories[i], dtype=torch.long) for i in penalised]).to(device)

@@ -2,11 +2,13 @@
 /v1/models, /health, /metrics, on an AsyncLLM whose engine steps on its own thread.
 
 A request's completions come back on one asyncio queue. Work stops when its client goes: a streaming response
-closes its run when sending fails or ends (`_Stream`); a non-streaming one checks the connection while it waits."""
+closes its run when sending fails or ends (`_Stream`); a non-streaming one checks the connection while it waits.
+Tokenizing and chat-template rendering run off the event loop, so a huge prompt stalls no other stream."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -17,18 +19,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from leanlm.engine.llm import AsyncLLM
+from leanlm.engine.llm import AsyncLLM, EngineStopped
 from leanlm.engine.sequence import Delta
 from leanlm.errors import LeanLMError
+from leanlm.generation.sampling import TokenLogprobs
 from leanlm.serve.metrics import Metrics
 from leanlm.serve.prompts import PromptCompression
-from leanlm.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from leanlm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                   error_body)
 
 MAX_BODY = 10 << 20  # bytes of a request body
+MAX_PROMPTS = 256  # prompts in one completions request
 
 
 class EngineFailed(RuntimeError):
-    """The engine thread died: a 500, not the client's fault."""
+    """The engine thread died while a request waited: a 503, not the client's fault."""
 
 
 class _Completion:
@@ -36,43 +41,60 @@ class _Completion:
 
     def __init__(self):
         self.text, self.tokens, self.logprobs, self.finish_reason = "", 0, [], None
+        self.prompt_logprobs: list | None = None  # asked for: on the first completion of each prompt
         self.last: float | None = None
 
 
 class _Run:
-    """The engine requests behind one HTTP request (one per prompt, n completions each) and their shared queue."""
+    """The engine requests behind one HTTP request (one per prompt, n completions each) and their shared queue.
+    Made by `_Run.start`, which tokenizes and checks every prompt off the event loop before any is queued."""
 
-    def __init__(self, llm: AsyncLLM, metrics: Metrics, prompts: list, params, chat: bool, on_done):
+    def __init__(self, llm: AsyncLLM, metrics: Metrics, requests: list, params, on_done):
         self.llm, self.metrics, self.params, self.on_done = llm, metrics, params, on_done
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.ids, self.prompt_tokens = [], 0
+        self.ids = [seqs[0].request_id for seqs in requests]
+        self.prompt_ids = [seqs[0].prompt_ids for seqs in requests]
+        self.prompt_tokens = sum(len(ids) for ids in self.prompt_ids)
         self.start = time.perf_counter()
-        try:
-            for prompt in prompts:
-                seqs, _ = llm.add_request(prompt, params, uuid.uuid4().hex, chat, self.queue)
-                self.ids.append(seqs[0].request_id)
-                self.prompt_tokens += len(seqs[0].prompt_ids)
-        except LeanLMError:
-            self.abort()
-            raise
-        self.choices = [_Completion() for _ in range(len(prompts) * params.n)]
+        self.choices = [_Completion() for _ in range(len(requests) * params.n)]
         self.left, self.closed = len(self.choices), False
         self.compression: dict = {}  # usage fields of a compressed prompt
+        for i, seqs in enumerate(requests):
+            try:
+                self.llm.submit(seqs, self.queue)
+            except BaseException:
+                self.ids = self.ids[:i]
+                self.abort()
+                raise
+
+    @classmethod
+    async def start(cls, llm: AsyncLLM, metrics: Metrics, prompts: list, params, chat: bool, on_done) -> _Run:
+        make = llm.engine.make_request
+        requests = await asyncio.to_thread(lambda: [make(uuid.uuid4().hex, p, params, chat) for p in prompts])
+        need = sum(params.n * (len(seqs[0].prompt_ids) + (params.max_tokens or 1)) for seqs in requests)
+        if need > llm.engine.capacity:  # admitted, it could only run by preempting itself
+            raise RequestTooLarge(f"this request needs {need} tokens of KV cache ({len(requests)} prompts x n="
+                                  f"{params.n}, prompt + max_tokens each); the server holds {llm.engine.capacity}: "
+                                  f"send fewer prompts, a smaller n or max_tokens")
+        return cls(llm, metrics, requests, params, on_done)
 
     def index(self, delta: Delta) -> int:
         return self.ids.index(delta.request_id) * self.params.n + delta.index
+
+    def take(self, delta) -> tuple[int, Delta]:
+        """(choice index, delta) for an item of the queue, recorded."""
+        if isinstance(delta, BaseException):
+            raise EngineFailed(f"the engine failed: {delta}")
+        i = self.index(delta)
+        self._record(self.choices[i], delta)
+        self.left -= delta.finish_reason is not None
+        return i, delta
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) until every choice finished; aborts what is left if the consumer stops."""
         try:
             while self.left:
-                delta = await self.queue.get()
-                if isinstance(delta, BaseException):
-                    raise EngineFailed(f"the engine failed: {delta}")
-                i = self.index(delta)
-                self._record(self.choices[i], delta)
-                self.left -= delta.finish_reason is not None
-                yield i, delta
+                yield self.take(await self.queue.get())
         finally:
             self.close()
 
@@ -87,6 +109,7 @@ class _Run:
         choice.text += delta.text
         choice.tokens += len(delta.token_ids)
         choice.logprobs += delta.logprobs or []
+        choice.prompt_logprobs = delta.prompt_logprobs or choice.prompt_logprobs
         m.generation_tokens.inc(len(delta.token_ids))
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
@@ -115,35 +138,60 @@ class _Run:
                 "total_tokens": self.prompt_tokens + completion, **self.compression}
 
 
+class RequestTooLarge(LeanLMError):
+    """More than the server can hold for one request: a 413."""
+
+
 def fail(message: str, code: int = 400, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
     return JSONResponse(error_body(message, kind, code), status_code=code, headers=headers)
 
 
 class _Guard:
-    """Body size and API key checked before routing. Plain ASGI: Starlette's `@app.middleware` would pass every
-    response, each streamed chunk of it, through memory streams and a task of its own."""
+    """API key and body size checked before routing: the body is read here, counting the bytes that arrive
+    (chunked transfer has no Content-Length to trust), then replayed to the app. Plain ASGI: Starlette's
+    `@app.middleware` would pass every response, each streamed chunk of it, through memory streams and a task."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.key = app, None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            refusal = None
-            if int(headers.get(b"content-length") or 0) > MAX_BODY:
-                refusal = fail(f"request body over {MAX_BODY >> 20} MiB", 413)
-            elif self.key and scope["path"].startswith("/v1/") and headers.get(b"authorization") != self.key:
-                refusal = fail("invalid or missing API key (Authorization: Bearer KEY)", 401, "authentication_error")
-            if refusal is not None:
-                return await refusal(scope, receive, send)
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        too_big = fail(f"request body over {MAX_BODY >> 20} MiB", 413)
+        if self.key and scope["path"].startswith("/v1/") and not hmac.compare_digest(
+                headers.get(b"authorization", b""), self.key):
+            return await fail("invalid or missing API key (Authorization: Bearer KEY)", 401,
+                              "authentication_error")(scope, receive, send)
+        if int(headers.get(b"content-length") or 0) > MAX_BODY:
+            return await too_big(scope, receive, send)
+        body, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left mid-body
+                return
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+            if sum(map(len, body)) > MAX_BODY:
+                return await too_big(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(body), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_requests: int = 512,
-              prompt_scorer="smollm2-135m") -> FastAPI:
+              prompt_scorer="smollm2-135m", max_n: int = 16) -> FastAPI:
     """max_requests: HTTP requests in progress beyond which new ones get 503 and Retry-After (the queue is bounded
     here, not left to grow in the engine). prompt_scorer: the model that compresses prompts that ask for it (the
-    "leanlm": {"compress_prompt": {...}} field), loaded on first use, or a PromptCompressor."""
+    "leanlm": {"compress_prompt": {...}} field), loaded on first use, or a PromptCompressor. max_n: the most
+    completions one request may ask for."""
     app = FastAPI(title="leanlm", docs_url=None, redoc_url=None)
     app.state.active = 0  # HTTP requests admitted and not yet answered in full
     metrics = Metrics(llm.engine, model_name)
@@ -161,9 +209,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     async def refused(request: Request, exc: LeanLMError):
         return fail(str(exc))
 
+    @app.exception_handler(RequestTooLarge)
+    async def too_large(request: Request, exc: RequestTooLarge):
+        return fail(str(exc), 413)
+
     @app.exception_handler(EngineFailed)
-    async def broken(request: Request, exc: EngineFailed):
-        return fail(str(exc), 500, "server_error")
+    @app.exception_handler(EngineStopped)
+    async def broken(request: Request, exc: Exception):
+        return fail(str(exc), 503, "server_error")
 
     @app.get("/health")
     async def health():
@@ -180,9 +233,34 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (body.prompt is None) == (body.messages is None):
+            raise LeanLMError("give either prompt or messages")
+        if body.messages is not None:
+            messages = [m.as_template_input() for m in body.messages]
+            text = await asyncio.to_thread(tok.apply_chat_template, messages, body.add_generation_prompt)
+            ids = await asyncio.to_thread(tok.encode, text, False)
+        else:
+            ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens)
+        strs = [_token_text(tok, t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": llm.engine.model.config.max_position, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        vocab = llm.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise LeanLMError(f"tokens must be ids in [0, {vocab})")
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
+
     async def start(body, prompts: list, params, chat: bool) -> _Run | JSONResponse:
         if body.model != model_name:
             return fail(f"model {body.model!r} does not exist; this server serves {model_name!r}", 404)
+        if params.n > max_n:
+            raise LeanLMError(f"n must be at most {max_n} on this server (leanlm serve --max-n), got {params.n}")
+        if len(prompts) > MAX_PROMPTS:
+            raise LeanLMError(f"a request may carry at most {MAX_PROMPTS} prompts, got {len(prompts)}")
         if app.state.active >= max_requests:
             return fail(f"server busy: {max_requests} requests in progress", 503, "server_error",
                         {"Retry-After": "1"})
@@ -191,7 +269,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
             usage = {}
             if body.leanlm and body.leanlm.compress_prompt:
                 prompts, usage = await compression.apply(body.leanlm.compress_prompt, prompts, chat, tok)
-            run = _Run(llm, metrics, prompts, params, chat, done)
+            run = await _Run.start(llm, metrics, prompts, params, chat, done)
         except BaseException:  # not admitted after all (a _Run that raises never calls done)
             app.state.active -= 1
             raise
@@ -204,29 +282,40 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        run = await start(body, body.prompts(), body.sampling_params(body.max_tokens, body.logprobs), chat=False)
+        run = await start(body, body.prompts(), body.params(), chat=False)
         if isinstance(run, JSONResponse):
             return run
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
 
-        def choice(i: int, text: str, logprobs: list, finish: str | None) -> dict:
-            return {"index": i, "text": text, "finish_reason": finish,
-                    "logprobs": None if body.logprobs is None else _completion_logprobs(tok, logprobs)}
+        prompt_texts = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts()]
+
+        def choice(i: int, text: str, logprobs: list, finish: str | None, first: bool) -> dict:
+            """first: the choice's first piece, which carries the echoed prompt and the prompt's logprobs."""
+            p, out = i // body.n, {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+            prompt_logprobs = run.choices[p * body.n].prompt_logprobs
+            if body.echo and first:
+                out["text"] = prompt_texts[p] + text
+                if prompt_logprobs is not None:  # the first prompt token has no log-probability
+                    logprobs = [TokenLogprobs(run.prompt_ids[p][0], None, []), *prompt_logprobs[1:], *logprobs]
+            if body.logprobs is not None:
+                out["logprobs"] = _completion_logprobs(tok, logprobs)
+            if body.prompt_logprobs is not None and first:
+                out["prompt_logprobs"] = _prompt_logprobs(tok, prompt_logprobs)
+            return out
 
         if body.stream:
-            return _sse(run, head, body, lambda i, d: choice(i, d.text, d.logprobs or [], d.finish_reason))
+            return _sse(run, head, body, lambda i, d: choice(i, d.text, d.logprobs or [], d.finish_reason,
+                                                             run.choices[i].tokens == len(d.token_ids)))
         if not await _wait(run, request):
             return Response(status_code=499)
-        return {**head, "usage": run.usage(),
-                "choices": [choice(i, c.text, c.logprobs, c.finish_reason) for i, c in enumerate(run.choices)]}
+        return {**head, "usage": run.usage(), "choices": [
+            choice(i, c.text, c.logprobs, c.finish_reason, True) for i, c in enumerate(run.choices)]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [m.as_template_input() for m in body.messages]
-        top = body.top_logprobs or 0 if body.logprobs else None
-        run = await start(body, [messages], body.sampling_params(body.max_completion_tokens or body.max_tokens, top),
-                          True)
+        run = await start(body, [messages], body.params(), True)
         if isinstance(run, JSONResponse):
             return run
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -253,22 +342,25 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
 
 
 async def _wait(run: _Run, request: Request, poll: float = 0.25) -> bool:
-    """Drain a non-streaming run; False (and its work aborted) if the client went away meanwhile."""
-    deltas = run.deltas()
-    pending = asyncio.ensure_future(anext(deltas, None))
+    """Drain a non-streaming run; False (and its work aborted) if the client went away meanwhile (looked at every
+    `poll` seconds, whether tokens are arriving or not)."""
+    pending, looked = None, time.monotonic()
     try:
-        while True:
+        while run.left:
+            pending = pending or asyncio.ensure_future(run.queue.get())
             done, _ = await asyncio.wait({pending}, timeout=poll)
-            if not done:
+            if done:
+                run.take(pending.result())
+                pending = None
+            if time.monotonic() - looked >= poll:
                 if await request.is_disconnected():
                     return False
-                continue
-            if pending.result() is None:
-                return True
-            pending = asyncio.ensure_future(anext(deltas, None))
+                looked = time.monotonic()
+        return True
     finally:
-        pending.cancel()
-        await deltas.aclose()
+        if pending is not None:
+            pending.cancel()
+        run.close()
 
 
 def _sse(run: _Run, head: dict, body, choice) -> StreamingResponse:
@@ -282,7 +374,7 @@ def _sse(run: _Run, head: dict, body, choice) -> StreamingResponse:
             if body.stream_options and body.stream_options.include_usage:
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': run.usage()})}\n\n"
         except EngineFailed as e:
-            yield f"data: {json.dumps(error_body(str(e), 'server_error', 500))}\n\n"
+            yield f"data: {json.dumps(error_body(str(e), 'server_error', 503))}\n\n"
         yield "data: [DONE]\n\n"
 
     return _Stream(run, events())
@@ -314,8 +406,17 @@ def _completion_logprobs(tok, items: list) -> dict:
     for t in tokens:
         offsets.append(at)
         at += len(t)
+    # an echoed prompt's first token has no log-probability and no alternatives: null, as OpenAI sends it
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in items], "text_offset": offsets,
-            "top_logprobs": [{_token_text(tok, t): lp for t, lp in x.top} for x in items]}
+            "top_logprobs": [None if x.logprob is None else {_token_text(tok, t): lp for t, lp in x.top}
+                             for x in items]}
+
+
+def _prompt_logprobs(tok, items: list) -> list:
+    """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, decoded_token}} holding
+    the prompt's token and the top alternatives."""
+    return [None if x is None else {str(t): {"logprob": lp, "decoded_token": _token_text(tok, t)}
+                                    for t, lp in [(x.token, x.logprob), *x.top]} for x in items]
 
 
 def _chat_logprob(tok, x) -> dict:

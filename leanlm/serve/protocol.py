@@ -39,12 +39,13 @@ class LeanLMOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does (clients send `user`)."""
+    """Fields both endpoints share. A field the server does not know is a 400 that names it (never silently
+    dropped); `user` is accepted and unused, as it is only an end-user tag for abuse monitoring."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # None: to the end of the context window, as OpenAI and vLLM do
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
@@ -54,6 +55,8 @@ class _Sampling(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
     # vLLM's extra sampling fields, so that tools written for vLLM work unchanged
     top_k: int = -1
     min_p: float = 0.0
@@ -63,46 +66,71 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     leanlm: LeanLMOptions | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's SamplingParams; LeanLMError (a 400) for what it cannot honour."""
-        if self.presence_penalty or self.frequency_penalty:
-            raise LeanLMError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
         if self.top_k < -1:
             raise LeanLMError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if max_tokens is not None and max_tokens < 1:
+            raise LeanLMError(f"max_tokens must be >= 1 (or left out: to the end of the context), got {max_tokens}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        bias = self.logit_bias or {}
+        if any(not key.isdigit() for key in bias):
+            raise LeanLMError("logit_bias keys must be token ids (strings of digits)")
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-                              max_tokens=max_tokens if max_tokens is not None else 16, stop=tuple(stop),
-                              seed=self.seed, ignore_eos=self.ignore_eos, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                              stop_token_ids=tuple(self.stop_token_ids or ()), n=self.n, logprobs=logprobs)
+                              max_tokens=max_tokens, stop=tuple(stop), seed=self.seed, ignore_eos=self.ignore_eos,
+                              min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                              stop_token_ids=tuple(self.stop_token_ids or ()), n=self.n, logprobs=logprobs,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              logit_bias={int(k): v for k, v in bias.items()}, prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's
+    best_of: int | None = None
+    suffix: str | None = None
 
     def prompts(self) -> list:
-        """The prompts of a batch request: text or token ids each."""
+        """The prompts of a batch request: text or token ids each; LeanLMError for none or an empty one."""
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        return list(p)
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise LeanLMError("prompt must be a non-empty string, a list of token ids, or a non-empty list of those")
+        return prompts
+
+    def params(self) -> SamplingParams:
+        if self.best_of not in (None, 1, self.n):
+            raise LeanLMError("best_of other than n is not supported: ask for n completions and rank them yourself")
+        if self.suffix:
+            raise LeanLMError("suffix (fill-in-the-middle) is not supported")
+        # echo with logprobs: the prompt's tokens come back with theirs, as the legacy completions API does
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict:
-        """{"role", "content"} with list content (text parts) joined: the chat template wants a string."""
+        """{"role", "content"} with list content (text parts) joined: the chat template wants a string; the tool
+        fields as they came."""
         content = self.content
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
                 raise LeanLMError("only text content parts are supported in chat messages")
             content = "".join(part.get("text", "") for part in content)
-        return {"role": self.role, "content": content or ""}
+        extra = self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)
+        return {"role": self.role, "content": content or "", **extra}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -110,6 +138,28 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def params(self) -> SamplingParams:
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens,
+                                    self.top_logprobs or 0 if self.logprobs else None)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: int = 400, param: str | None = None) -> dict:

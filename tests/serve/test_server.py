@@ -8,68 +8,9 @@ import time
 import httpx
 import pytest
 
+from serving import KEY, NAME, Server, client, greedy, openai
+
 from leanlm.bench.serve import free_port, leanlm_command
-from leanlm.engine import AsyncLLM
-from leanlm.generation.decode import generate_ids
-from leanlm.generation.sampling import SamplingParams
-
-openai = pytest.importorskip("openai")
-KEY, NAME = "sekrit", "tiny"
-
-
-class Server:
-    """build_app on a real uvicorn in a thread; stopped (drained) at the end."""
-
-    def __init__(self, model, tok, **options):
-        import uvicorn
-
-        from leanlm.serve.app import build_app
-
-        max_requests = options.pop("max_requests", 512)
-        scorer = options.pop("prompt_scorer", "smollm2-135m")
-        self.llm = AsyncLLM(model, tok, quiet=True, **options)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = app = build_app(self.llm, NAME, api_key=KEY, max_requests=max_requests, prompt_scorer=scorer)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.llm.shutdown()
-
-    def settled(self, timeout: float = 10) -> bool:
-        """Every block free (or held only by the prefix cache) and no request left in the engine."""
-        e, deadline = self.llm.engine, time.time() + timeout
-        while time.time() < deadline:
-            if not e.has_work and not e.requests and e.blocks.num_free == e.blocks.num_blocks:
-                return True
-            time.sleep(0.05)
-        return False
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    from leanlm.compress.prompt import PromptCompressor
-
-    s = Server(*tiny, block_size=4, kv_cache_memory=1 << 24, prompt_scorer=PromptCompressor(model=tiny))
-    yield s
-    s.stop()
-
-
-def client(server) -> "openai.OpenAI":
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-
-
-def greedy(model, tok, text: str, n: int) -> list[int]:
-    return [s[0] for s in generate_ids(model, [tok.encode(text)], SamplingParams(temperature=0, max_tokens=n,
-                                                                                 ignore_eos=True))]
 
 
 def test_openai_client_completions_chat_streaming(server, tiny):
@@ -283,13 +224,16 @@ def test_kv_pressure_preempts_and_all_complete_and_a_full_queue_says_retry(tiny)
 
 
 def test_leanlm_serve_drains_on_sigterm(tiny_dir):
-    """The CLI verb as deployed: SIGTERM mid-stream lets the stream finish, then the process exits."""
+    """The CLI verb as deployed (its key from a file, its name the directory's): SIGTERM mid-stream lets the stream
+    finish, then the process exits."""
     import signal
     import subprocess
 
     port = free_port()
+    key_file = tiny_dir / "key.txt"
+    key_file.write_text("from-a-file\n")
     proc = subprocess.Popen(leanlm_command("serve", str(tiny_dir), "--port", str(port), "--dtype", "float32", "--threads",
-                                           "1", "--kv-cache-memory", "16MiB", "--served-model-name", NAME),
+                                           "1", "--kv-cache-memory", "16MiB", "--api-key-file", str(key_file)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -300,8 +244,10 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        stream = c.completions.create(model=NAME, prompt="hello", max_tokens=200, temperature=0, stream=True,
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="from-a-file", max_retries=0)
+        assert [m.id for m in c.models.list().data] == [tiny_dir.name]  # its name, never the path
+        stream = c.completions.create(model=tiny_dir.name, prompt="hello", max_tokens=200, temperature=0, stream=True,
                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         usage = None
         for i, chunk in enumerate(stream):
@@ -316,16 +262,21 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
         proc.kill()
 
 
-def test_an_engine_failure_is_a_500_and_health_says_so(tiny):
+def test_after_an_engine_failure_every_request_gets_a_prompt_503_and_health_says_so(tiny):
     s = Server(*tiny, kv_cache_memory=1 << 24)
     try:
         def broken():
             raise RuntimeError("boom")
 
         s.llm.engine.step = broken
-        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 3},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
-        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
-        assert httpx.get(s.url + "/health").status_code == 503
+        headers = {"Authorization": f"Bearer {KEY}"}
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 3}
+        r = httpx.post(s.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "server_error"
+        later = httpx.post(s.url + "/v1/completions", json={**body, "stream": True}, headers=headers, timeout=30)
+        assert later.status_code == 503 and "not running" in later.json()["error"]["message"]
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and "boom" in health.json()["error"]["message"]
     finally:
         s.stop()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import torch
@@ -15,6 +16,7 @@ from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import check_fits
+from leanlm.generation.grammar import apply_bitmask
 from leanlm.generation.sampling import SamplingParams, TokenLogprobs, probabilities, sample_rows
 from leanlm.generation.speculative import LookupProposer, verify
 from leanlm.generation.text import Detokenizer, encode_prompt, eos_ids
@@ -53,6 +55,7 @@ class Engine:
         self.num_speculative = num_speculative
         self.spec_proposed = self.spec_accepted = 0  # prompt-lookup tokens proposed and accepted
         self.requests: dict[str, list[Sequence]] = {}
+        self._grammars, self._grammar_lock = None, threading.Lock()
 
     def describe(self) -> str:
         """The KV pool in a line: blocks, tokens, bytes (what the budget bought)."""
@@ -85,8 +88,22 @@ class Engine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
         seqs = [Sequence(request_id, i, ids, params, max_tokens, stop_ids, Detokenizer(ids, params.stop, stop_ids))
                 for i in range(params.n)]
+        if params.grammar is not None:
+            matcher = self.grammars().matcher(params.grammar, params.stop_token_ids)
+            for seq in seqs:
+                seq.matcher = matcher.fork()
         seqs[0].children = seqs[1:]
         return seqs
+
+    def grammars(self):
+        """The structured-output compiler (generation.grammar), made on first use: reading the vocabulary takes
+        0.2-1.3 s. Any thread (make_request runs off the server's event loop)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from leanlm.generation.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos)
+            return self._grammars
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue a request made by make_request."""
@@ -138,13 +155,35 @@ class Engine:
             seqs, rows = self._fork(plain)
             histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in seqs]
             picked = logits if rows == list(range(len(logits))) else logits[rows]  # no copy in the common case
+            self._mask(picked, [(s, [i]) for i, s in enumerate(seqs) if s.matcher is not None])
             tokens, logprobs = sample_rows(picked, [s.params for s in seqs], [s.generator for s in seqs],
                                            histories, [s.banned() for s in seqs], [s.output_ids for s in seqs])
             deltas += [self._append(seq, [token], lp and [lp], now) for seq, token, lp in zip(seqs, tokens, logprobs)]
-        for seq, row in zip(sampling, starts):
-            if seq.proposal:
-                deltas.append(self._verify(seq, logits[row : row + 1 + len(seq.proposal)], now))
+        speculating = [(seq, list(range(row, row + 1 + len(seq.proposal)))) for seq, row in zip(sampling, starts)
+                       if seq.proposal]
+        self._mask(logits, [(seq, rows) for seq, rows in speculating if seq.matcher is not None])
+        for seq, rows in speculating:
+            deltas.append(self._verify(seq, logits[rows[0] : rows[-1] + 1], now))
         return deltas
+
+    @torch.inference_mode()  # the logits are inference tensors: changed in place only inside the mode
+    def _mask(self, logits: torch.Tensor, constrained: list[tuple[Sequence, list[int]]]) -> None:
+        """Structured outputs: each constrained sequence's disallowed tokens set to -inf in its rows, in place
+        # logits [R, V]; constrained: (sequence, its rows: the next token's, then one per proposed token)"""
+        if not constrained:
+            return
+        grammars = self._grammars
+        bitmask = grammars.allocate_bitmask(len(logits))
+        rows = []
+        for seq, seq_rows in constrained:
+            m = seq.matcher
+            for j, row in enumerate(seq_rows):  # a proposal's row j: the state after its first j tokens
+                m.fill(bitmask, row)
+                if j < len(seq.proposal):
+                    m.accept(seq.proposal[j])
+            m.rollback(len(seq_rows) - 1)
+            rows += seq_rows
+        apply_bitmask(logits, bitmask, rows)
 
     def _propose(self) -> None:
         """Prompt lookup: a decoding sequence proposes the tokens that followed the latest earlier match of its last
@@ -157,6 +196,8 @@ class Engine:
             eligible = seq.remaining == 1 and seq.num_computed > 0 and not seq.children and room > 0
             eligible = eligible and p.plain and len(seq.output_ids) >= p.min_tokens
             seq.proposal = self.lookup.propose(seq.token_ids, room, None)[0] if eligible else []
+            if seq.proposal and seq.matcher is not None:  # drafted tokens the grammar refuses are not worth a row
+                seq.proposal = seq.proposal[: seq.matcher.validate(seq.proposal)]
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, now: float) -> Delta:
         """Accept the longest right prefix of the proposal and one more token  # logits [1 + k, V].
@@ -217,6 +258,11 @@ class Engine:
             added.append(token)
             text += seq.detokenizer.add(token, self.tokenizer)
             seq.finish_reason = seq.detokenizer.finish_reason
+            if seq.matcher is not None and seq.finish_reason is None:
+                seq.matcher.accept(token)  # allowed: the mask saw to it
+                if seq.matcher.done:  # only an end of sequence could follow
+                    seq.finish_reason = "stop"
+                    text += seq.detokenizer.flush(len(seq.detokenizer.text))
             if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
                 seq.finish_reason = "length"
                 text += seq.detokenizer.flush(len(seq.detokenizer.text))

@@ -38,6 +38,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.children: list[Sequence] = []  # the request's other n - 1 completions, forked after the prompt
         self.proposal: list[int] = []  # speculative tokens fed after the last one this step (prompt lookup)
+        self.matcher = None  # generation.grammar.Matcher of a structured output
 
     @property
     def num_prompt(self) -> int:

@@ -6,10 +6,14 @@ import math
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from leanlm.errors import LeanLMError
+
+if TYPE_CHECKING:
+    from leanlm.generation.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 
@@ -23,7 +27,8 @@ class SamplingParams:
     logit less presence once plus frequency per occurrence); logit_bias adds to chosen ids' logits ({id: bias},
     bias in [-100, 100]); min_tokens holds off EOS and stop_token_ids; n is completions per prompt; logprobs None
     means none, k means the sampled token's log-probability plus the k most likely alternatives; prompt_logprobs k
-    the same for every prompt token (the first has none).
+    the same for every prompt token (the first has none); grammar (generation.grammar.GrammarSpec) constrains the
+    output to a JSON schema, regex, choice or grammar (the engine masks the logits of every step).
     """
 
     temperature: float = 1.0
@@ -43,6 +48,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -8,6 +8,7 @@ Tokenizing and chat-template rendering run off the event loop, so a huge prompt 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -22,11 +23,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from leanlm.engine.llm import AsyncLLM, EngineStopped
 from leanlm.engine.sequence import Delta
 from leanlm.errors import LeanLMError
+from leanlm.generation.grammar import GrammarSpec
 from leanlm.generation.sampling import TokenLogprobs
 from leanlm.serve.metrics import Metrics
 from leanlm.serve.prompts import PromptCompression
 from leanlm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    error_body)
+from leanlm.serve.tools import ChatOutput, forced_schema, template_messages, validate_tools
 
 MAX_BODY = 10 << 20  # bytes of a request body
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -68,9 +71,12 @@ class _Run:
                 raise
 
     @classmethod
-    async def start(cls, llm: AsyncLLM, metrics: Metrics, prompts: list, params, chat: bool, on_done) -> _Run:
+    async def start(cls, llm: AsyncLLM, metrics: Metrics, prompts: list, params, chat: bool, on_done,
+                    render=None) -> _Run:
+        """render: prompt -> token ids (a chat with tools), else the engine renders and tokenizes."""
         make = llm.engine.make_request
-        requests = await asyncio.to_thread(lambda: [make(uuid.uuid4().hex, p, params, chat) for p in prompts])
+        requests = await asyncio.to_thread(lambda: [make(uuid.uuid4().hex, render(p), params) if render else
+                                                    make(uuid.uuid4().hex, p, params, chat) for p in prompts])
         need = sum(params.n * (len(seqs[0].prompt_ids) + (params.max_tokens or 1)) for seqs in requests)
         if need > llm.engine.capacity:  # admitted, it could only run by preempting itself
             raise RequestTooLarge(f"this request needs {need} tokens of KV cache ({len(requests)} prompts x n="
@@ -254,7 +260,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
             raise LeanLMError(f"tokens must be ids in [0, {vocab})")
         return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
 
-    async def start(body, prompts: list, params, chat: bool) -> _Run | JSONResponse:
+    async def start(body, prompts: list, params, chat: bool, render=None) -> _Run | JSONResponse:
         if body.model != model_name:
             return fail(f"model {body.model!r} does not exist; this server serves {model_name!r}", 404)
         if params.n > max_n:
@@ -269,7 +275,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
             usage = {}
             if body.leanlm and body.leanlm.compress_prompt:
                 prompts, usage = await compression.apply(body.leanlm.compress_prompt, prompts, chat, tok)
-            run = await _Run.start(llm, metrics, prompts, params, chat, done)
+            run = await _Run.start(llm, metrics, prompts, params, chat, done, render)
         except BaseException:  # not admitted after all (a _Run that raises never calls done)
             app.state.active -= 1
             raise
@@ -305,8 +311,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
             return out
 
         if body.stream:
-            return _sse(run, head, body, lambda i, d: choice(i, d.text, d.logprobs or [], d.finish_reason,
-                                                             run.choices[i].tokens == len(d.token_ids)))
+            return _sse(run, head, body, lambda i, d: [choice(i, d.text, d.logprobs or [], d.finish_reason,
+                                                              run.choices[i].tokens == len(d.token_ids))])
         if not await _wait(run, request):
             return Response(status_code=499)
         return {**head, "usage": run.usage(), "choices": [
@@ -314,29 +320,57 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        messages = [m.as_template_input() for m in body.messages]
-        run = await start(body, [messages], body.params(), True)
+        tools = validate_tools(body.tools)
+        tool_choice = body.tool_choice or ("auto" if tools else "none")
+        params = body.params()
+        if (forced := forced_schema(tools, tool_choice, body.parallel_tool_calls)) is not None:
+            if params.grammar is not None:
+                raise LeanLMError("a forced tool_choice already constrains the output: drop response_format")
+            params = dataclasses.replace(params, grammar=GrammarSpec("json_schema", json.dumps(forced)))
+        messages = template_messages([m.as_template_input() for m in body.messages])
+
+        def render(messages: list[dict]) -> list[int]:  # tools through the model's own template
+            return tok.encode(tok.apply_chat_template(messages, tools=tools or None), add_special_tokens=False)
+
+        run = await start(body, [messages], params, True, render)
         if isinstance(run, JSONResponse):
             return run
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": model_name}
+        output = ChatOutput(tools, tool_choice)
+
+        def finish(reason: str | None, calls: bool) -> str | None:
+            return "tool_calls" if calls and reason == "stop" else reason
 
         def logprobs(items: list) -> dict | None:
             return {"content": [_chat_logprob(tok, x) for x in items]} if body.logprobs else None
 
         if body.stream:
-            def chunk(i: int, d: Delta) -> dict:
-                first = run.choices[i].tokens == len(d.token_ids)
-                delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-                return {"index": i, "delta": delta, "logprobs": logprobs(d.logprobs or []),
-                        "finish_reason": d.finish_reason}
+            streams = [output.stream() for _ in run.choices]
+            calls = [False] * len(run.choices)
 
-            return _sse(run, {**head, "object": "chat.completion.chunk"}, body, chunk)
+            def chunks(i: int, d: Delta) -> list[dict]:
+                deltas = streams[i].feed(d.text) + (streams[i].finish() if d.finish_reason is not None else [])
+                calls[i] = calls[i] or any("tool_calls" in x for x in deltas)
+                if run.choices[i].tokens == len(d.token_ids):  # the choice's first chunk says who speaks
+                    deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}, *deltas[1:]]
+                out = [{"index": i, "delta": x, "logprobs": None, "finish_reason": None} for x in deltas]
+                if not out and (d.logprobs or d.finish_reason is not None):
+                    out = [{"index": i, "delta": {}, "logprobs": None, "finish_reason": None}]
+                if out:
+                    out[-1].update(logprobs=logprobs(d.logprobs or []),
+                                   finish_reason=finish(d.finish_reason, calls[i]))
+                return out
+
+            return _sse(run, {**head, "object": "chat.completion.chunk"}, body, chunks)
         if not await _wait(run, request):
             return Response(status_code=499)
-        return {**head, "usage": run.usage(), "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs(c.logprobs),
-             "finish_reason": c.finish_reason} for i, c in enumerate(run.choices)]}
+        choices = []
+        for i, c in enumerate(run.choices):
+            message, has_calls = output.message(c.text)
+            choices.append({"index": i, "message": message, "logprobs": logprobs(c.logprobs),
+                            "finish_reason": finish(c.finish_reason, has_calls)})
+        return {**head, "usage": run.usage(), "choices": choices}
 
     return app
 
@@ -363,14 +397,16 @@ async def _wait(run: _Run, request: Request, poll: float = 0.25) -> bool:
         run.close()
 
 
-def _sse(run: _Run, head: dict, body, choice) -> StreamingResponse:
-    """Server-sent events: a chunk per delta, then (stream_options.include_usage) a chunk with usage and no
-    choices, then [DONE]. Usage rides alone, as OpenAI sends it: some clients ignore it beside choices."""
+def _sse(run: _Run, head: dict, body, choices) -> StreamingResponse:
+    """Server-sent events: a chunk per piece of a delta (`choices(i, delta)`: the choice dicts it makes), then
+    (stream_options.include_usage) a chunk with usage and no choices, then [DONE]. Usage rides alone, as OpenAI
+    sends it: some clients ignore it beside choices."""
 
     async def events():
         try:
             async for i, delta in run.deltas():
-                yield f"data: {json.dumps({**head, 'choices': [choice(i, delta)]})}\n\n"
+                for piece in choices(i, delta):
+                    yield f"data: {json.dumps({**head, 'choices': [piece]})}\n\n"
             if body.stream_options and body.stream_options.include_usage:
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': run.usage()})}\n\n"
         except EngineFailed as e:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from leanlm.errors import LeanLMError
+from leanlm.generation.grammar import GrammarSpec
 from leanlm.generation.sampling import SamplingParams
 
 
@@ -38,6 +40,54 @@ class LeanLMOptions(BaseModel):
     compress_prompt: CompressPrompt | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema (always strict here: the
+    grammar admits nothing else)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def spec(self) -> GrammarSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec("json_object")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise LeanLMError("response_format json_schema needs json_schema.schema")
+        return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_))
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of a JSON schema, any JSON object, a regex, a choice or a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def spec(self) -> GrammarSpec | None:
+        given = [(kind, value) for kind, value in (
+            ("json_schema", self.json_), ("json_object", "" if self.json_object else None), ("regex", self.regex),
+            ("choice", self.choice), ("grammar", self.grammar)) if value is not None]
+        if len(given) > 1:
+            raise LeanLMError(f"give one structured-output kind, not {', '.join(k for k, _ in given)}")
+        if not given:
+            return None
+        kind, value = given[0]
+        return GrammarSpec(kind, json.dumps(value) if isinstance(value, dict) else value)
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share. A field the server does not know is a 400 that names it (never silently
     dropped); `user` is accepted and unused, as it is only an end-user tag for abuse monitoring."""
@@ -64,7 +114,25 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     leanlm: LeanLMOptions | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """The one structured-output constraint the request asks for, if any (two are a 400)."""
+        guided = StructuredOutputs(json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice,
+                                   grammar=self.guided_grammar)
+        specs = [x.spec() for x in (self.response_format, self.structured_outputs, guided) if x is not None]
+        specs = [x for x in specs if x is not None]
+        if len(specs) > 1:
+            raise LeanLMError("give one structured-output constraint (response_format, structured_outputs or a "
+                              "guided_* field), not several")
+        return specs[0] if specs else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -82,7 +150,8 @@ class _Sampling(BaseModel):
                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
                               stop_token_ids=tuple(self.stop_token_ids or ()), n=self.n, logprobs=logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              logit_bias={int(k): v for k, v in bias.items()}, prompt_logprobs=prompt_logprobs)
+                              logit_bias={int(k): v for k, v in bias.items()}, prompt_logprobs=prompt_logprobs,
+                              grammar=self.grammar())
 
 
 class CompletionRequest(_Sampling):
@@ -138,6 +207,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None  # default: auto with tools, else none
+    parallel_tool_calls: bool = True
 
     def params(self) -> SamplingParams:
         return self.sampling_params(self.max_completion_tokens or self.max_tokens,

@@ -55,6 +55,9 @@ def generate(
     prompt_lookup: Annotated[Optional[int], typer.Option(help="speculative decoding by prompt lookup with n-grams up "
                                                               "to N (plain --prompt-lookup: 3)")] = None,
     stats: Annotated[bool, typer.Option(help="print speculative-decoding statistics to stderr")] = False,
+    json_schema: Annotated[Optional[Path], typer.Option(help="the output is JSON that fits this schema (a JSON file); "
+                                                             "runs through the serving engine")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="the output matches this regular expression in full")] = None,
     kv_cache: KVCache = "16",
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
@@ -64,9 +67,14 @@ def generate(
     from leanlm.generation.text import generate as gen, stream
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
-                            stop=tuple(stop or ()), seed=seed)
+                            stop=tuple(stop or ()), seed=seed, grammar=_grammar(json_schema, regex))
     if (file is None) == (not prompt):
         _fail("give PROMPT arguments or --file PROMPTS.jsonl (one of them)")
+    if params.grammar is not None and file is None:  # the engine masks each step by the grammar
+        if draft or compile:
+            _fail("--json-schema/--regex run through the engine: drop --draft and --compile (or use leanlm serve)")
+        _generate_engine(model, prompt, params, chat, prompt_lookup or 0, dtype, device, threads)
+        return
     if file is not None:
         _generate_file(model, file, params, chat, dict(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                        deterministic=deterministic, prompt_lookup=prompt_lookup or 0), dtype, device, threads)
@@ -98,6 +106,34 @@ def _generate_file(model, file, params, chat, engine_options: dict, dtype, devic
     llm = LLM(model, dtype=dtype, device=device, threads=threads, **engine_options)
     for i, output in enumerate(llm.generate(prompts, per_line, chat=chat)):
         print(result_line(i, output))
+
+
+def _grammar(json_schema: Path | None, regex: str | None):
+    """The structured-output constraint of --json-schema / --regex, if any."""
+    import json
+
+    from leanlm.generation.grammar import GrammarSpec
+
+    schema = None
+    if json_schema is not None:
+        try:
+            schema = json.loads(json_schema.read_text())
+        except (OSError, ValueError) as e:
+            _fail(f"--json-schema {json_schema}: not a readable JSON file ({e})")
+    return GrammarSpec.one_of(json_schema=schema, regex=regex)
+
+
+def _generate_engine(model, prompts: list[str], params, chat: bool, prompt_lookup: int, dtype, device,
+                     threads) -> None:
+    from leanlm.engine import LLM
+
+    llm = LLM(model, dtype=dtype, device=device, threads=threads, kv_cache_memory="256MiB", quiet=True,
+              prompt_lookup=prompt_lookup)
+    outputs = llm.generate(prompts, params, chat=chat, progress=False)
+    for i, output in enumerate(outputs):
+        if len(prompts) > 1:
+            out.rule(f"prompt {i + 1}: {prompts[i][:60]!r}")
+        out.print(output.outputs[0].text, highlight=False, markup=False, soft_wrap=True)
 
 
 def _print_stream(pieces) -> None:

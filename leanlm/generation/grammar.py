@@ -70,6 +70,18 @@ class GrammarSpec:
             raise LeanLMError(f"{self.kind} needs its text as a non-empty string, got {self.value!r}")
         object.__setattr__(self, "value", value)
 
+    @classmethod
+    def one_of(cls, json_schema: str | dict | None = None, json_object: bool | None = None, regex: str | None = None,
+               choice: list[str] | None = None, grammar: str | None = None) -> GrammarSpec | None:
+        """The spec of the one constraint given (None for none; LeanLMError for several), as vLLM's
+        structured_outputs and leanlm generate --file's per-line fields name them."""
+        given = {"json_schema": json_schema, "json_object": "" if json_object else None, "regex": regex,
+                 "choice": choice, "grammar": grammar}
+        given = {kind: value for kind, value in given.items() if value is not None}
+        if len(given) > 1:
+            raise LeanLMError(f"give one structured-output constraint, not {', '.join(given)}")
+        return cls(*given.popitem()) if given else None
+
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer and model; compiled grammars are kept by spec (LRU, `cache_size` of them).

@@ -77,15 +77,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
     def spec(self) -> GrammarSpec | None:
-        given = [(kind, value) for kind, value in (
-            ("json_schema", self.json_), ("json_object", "" if self.json_object else None), ("regex", self.regex),
-            ("choice", self.choice), ("grammar", self.grammar)) if value is not None]
-        if len(given) > 1:
-            raise LeanLMError(f"give one structured-output kind, not {', '.join(k for k, _ in given)}")
-        if not given:
-            return None
-        kind, value = given[0]
-        return GrammarSpec(kind, json.dumps(value) if isinstance(value, dict) else value)
+        return GrammarSpec.one_of(self.json_, self.json_object, self.regex, self.choice, self.grammar)
 
 
 class _Sampling(BaseModel):

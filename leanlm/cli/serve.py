@@ -29,6 +29,12 @@ def serve(
     kv_cache: KVCache = "16",
     max_requests: Annotated[int, typer.Option(help="requests in progress beyond which new ones get 503")] = 512,
     prompt_lookup: Annotated[int, typer.Option(help="prompt-lookup speculation with n-grams up to N (0: off)")] = 0,
+    draft: Annotated[Optional[str], typer.Option(help="speculative decoding with this draft model (same tokenizer): "
+                                                      "pays where the target is memory-bound and the batch small "
+                                                      "(measured: benchmarks/speculative_serve.py); at many "
+                                                      "concurrent requests the target's steps are compute-bound and "
+                                                      "the draft only adds work")] = None,
+    num_speculative: Annotated[int, typer.Option(help="tokens proposed per step (prompt lookup or --draft)")] = 4,
     deterministic: Annotated[bool, typer.Option(help="outputs independent of batching, chunking, speculation")] = False,
     compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs (each "
                                           "batch-size bucket compiles once, ~1 min)")] = False,
@@ -54,7 +60,8 @@ def serve(
 
     options = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
                    kv_cache_dtype="int8" if _int8_kv(kv_cache) else "auto", max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens, prompt_lookup=prompt_lookup,
+                   max_num_batched_tokens=max_num_batched_tokens, prompt_lookup=prompt_lookup, draft=draft,
+                   num_speculative=num_speculative,
                    deterministic=deterministic, compile=compile)
     if replicas > 1 or ray_address:
         from leanlm.serve.ray import serve_replicas

@@ -11,6 +11,7 @@ import torch
 
 from leanlm.cache.paged import BlockManager, KVPool, cdiv
 from leanlm.engine.compiled import CompiledPagedDecoder
+from leanlm.engine.draft import Drafter
 from leanlm.engine.runner import Runner
 from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
@@ -30,14 +31,21 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, kv_cache_memory: int = 1 << 30,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 1024,
                  prefix_caching: bool = True, kv_cache_dtype: str = "auto", compile: bool = False,
-                 deterministic: bool = False, prompt_lookup: int = 0, num_speculative: int = 4):
+                 deterministic: bool = False, prompt_lookup: int = 0, num_speculative: int = 4,
+                 draft: Transformer | None = None):
         if kv_cache_dtype not in ("auto", "int8"):
             raise LeanLMError(f"kv_cache_dtype must be auto (the model dtype) or int8, got {kv_cache_dtype!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise LeanLMError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if draft is not None and prompt_lookup:
+            raise LeanLMError("speculate with a draft model or by prompt lookup, not both")
         self.model, self.tokenizer = model, tokenizer
-        self.pool = KVPool.from_budget(model.config, kv_cache_memory, block_size, model.dtype, model.device,
-                                       int8=kv_cache_dtype == "int8")
+        int8 = kv_cache_dtype == "int8"
+        per_block = KVPool.bytes_per_block(model.config, block_size, model.dtype, int8)
+        if draft is not None:  # the budget holds both models' keys and values, block for block
+            per_block += KVPool.bytes_per_block(draft.config, block_size, draft.dtype)
+        self.pool = KVPool(model.config, kv_cache_memory // per_block, block_size, model.dtype, model.device, int8)
+        self.drafter = Drafter(draft, self.pool.num_blocks, block_size) if draft is not None else None
         # the pool's last block belongs to no sequence: padded rows (compiled and deterministic steps) write there
         scratch, compiled = self.pool.num_blocks - 1, None
         self.blocks = BlockManager(scratch, block_size, prefix_caching)
@@ -53,7 +61,9 @@ class Engine:
         self.eos = eos_ids(model, tokenizer)
         self.lookup = LookupProposer(ngram=prompt_lookup) if prompt_lookup else None
         self.num_speculative = num_speculative
-        self.spec_proposed = self.spec_accepted = 0  # prompt-lookup tokens proposed and accepted
+        # speculation (prompt lookup or a draft): verifications, tokens proposed and accepted, accepted per position
+        self.spec_drafts = self.spec_proposed = self.spec_accepted = 0
+        self.spec_accepted_per_pos = [0] * num_speculative
         self.requests: dict[str, list[Sequence]] = {}
         self._grammars, self._grammar_lock = None, threading.Lock()
 
@@ -139,6 +149,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.drafter is not None and (speculating := [s for s, _ in batch if s.proposal]):
+            self.drafter.draft(speculating)
         sampling, logits, prompt_rows = self.runner.run(batch)
         if prompt_rows:
             self._prompt_logprobs(prompt_rows, logits[len(logits) - sum(n for _, _, n in prompt_rows):])
@@ -187,32 +199,44 @@ class Engine:
 
     def _propose(self) -> None:
         """Prompt lookup: a decoding sequence proposes the tokens that followed the latest earlier match of its last
-        n-gram (generation.speculative.LookupProposer). Requests whose sampling looks at more than the logits of
-        each position (penalties, logit bias, pending min_tokens, logprobs) decode plainly."""
-        if self.lookup is None:
+        n-gram (generation.speculative.LookupProposer); with a draft model, room for its proposal. Requests whose
+        sampling looks at more than the logits of each position (penalties, logit bias, pending min_tokens,
+        logprobs) decode plainly."""
+        if self.lookup is None and self.drafter is None:
             return
         for seq in self.scheduler.running:
             p, room = seq.params, min(self.num_speculative, seq.max_tokens - len(seq.output_ids) - 1)
             eligible = seq.remaining == 1 and seq.num_computed > 0 and not seq.children and room > 0
             eligible = eligible and p.plain and len(seq.output_ids) >= p.min_tokens
+            if self.drafter is not None:  # placeholders: the scheduler makes room, then the draft fills them
+                seq.proposal = [0] * room if eligible else []
+                continue
             seq.proposal = self.lookup.propose(seq.token_ids, room, None)[0] if eligible else []
             if seq.proposal and seq.matcher is not None:  # drafted tokens the grammar refuses are not worth a row
                 seq.proposal = seq.proposal[: seq.matcher.validate(seq.proposal)]
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, now: float) -> Delta:
         """Accept the longest right prefix of the proposal and one more token  # logits [1 + k, V].
-        Greedy: while the proposal equals the argmax; sampled: the exact rejection rule (speculative.verify)."""
+        Greedy: while the proposal equals the argmax; sampled: the exact rejection rule (speculative.verify), against
+        the draft's distributions (a lookup proposal is certain)."""
         proposal, seq.proposal = seq.proposal, []
         if seq.params.greedy:
             best = logits.max(-1).indices.tolist()
             accepted = next((i for i, (x, y) in enumerate(zip(proposal, best)) if x != y), len(proposal))
             following = best[accepted]
         else:
-            accepted, following = verify(probabilities(logits, seq.params), proposal, None, False, seq.generator)
+            accepted, following = verify(probabilities(logits, seq.params), proposal, seq.draft_probs, False,
+                                         seq.generator)
         seq.num_computed += 1 + accepted  # the rejected proposals' keys and values are overwritten later
+        self.spec_drafts += 1
         self.spec_proposed += len(proposal)
         self.spec_accepted += accepted
-        return self._append(seq, proposal[:accepted] + [following], None, now)
+        for i in range(accepted):
+            self.spec_accepted_per_pos[i] += 1
+        delta = self._append(seq, proposal[:accepted] + [following], None, now)
+        if self.drafter is not None:
+            self.drafter.rewind(seq)
+        return delta
 
     def _prompt_logprobs(self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
         """Each prompt token's log-probability given the ones before it, with the top alternatives

@@ -24,6 +24,12 @@ def _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_op
         model, tokenizer = load(model, dtype, device)
     elif tokenizer is None:
         raise LeanLMError("LLM(model) with a model object needs its tokenizer too: LLM(model, tokenizer)")
+    if isinstance(draft := engine_options.get("draft"), (str, Path)):
+        from leanlm.api import load
+
+        engine_options["draft"], draft_tokenizer = load(draft, dtype, device)
+        if not tokenizer.same_vocabulary(draft_tokenizer):
+            raise LeanLMError(f"draft {draft}: its tokenizer is not the target's; speculation needs one vocabulary")
     if model.device.type == "cpu":  # batches are compute-bound: every core helps (override with threads=)
         set_threads(threads or cpu_count())
     engine = Engine(model, tokenizer, parse_memory(kv_cache_memory, model.device), **engine_options)
@@ -43,7 +49,8 @@ class LLM:
     max_num_seqs, max_num_batched_tokens, prefix_caching, kv_cache_dtype ("auto" or "int8"), compile (decode
     steps as compiled graphs: fastest at few sequences, each batch bucket compiles once), deterministic (a
     request's output independent of its batch, chunking and speculation), prompt_lookup (n-gram size, 0 = off)
-    and num_speculative (tokens proposed per step)."""
+    num_speculative (tokens proposed per step) and draft (a model of the same tokenizer, or its name or path, that
+    proposes them)."""
 
     def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
                  kv_cache_memory: str | int | float = "1GiB", quiet: bool = False, **engine_options):

@@ -75,7 +75,8 @@ class Scheduler:
         """Free its blocks; it waits at the front to be computed again (prompt and output so far)."""
         self.running.remove(seq)
         self.blocks.release(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.draft_computed = 0
+        seq.proposal = []  # proposed for a step it is no longer in
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -39,6 +39,8 @@ class Sequence:
         self.children: list[Sequence] = []  # the request's other n - 1 completions, forked after the prompt
         self.proposal: list[int] = []  # speculative tokens fed after the last one this step (prompt lookup)
         self.matcher = None  # generation.grammar.Matcher of a structured output
+        self.draft_computed = 0  # tokens whose keys and values the draft model holds (draft speculation)
+        self.draft_probs: torch.Tensor | None = None  # the draft's distributions of a sampled proposal [k, V]
 
     @property
     def num_prompt(self) -> int:

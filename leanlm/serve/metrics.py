@@ -38,6 +38,20 @@ class _EngineState:
                            e.blocks.hits)
         yield self._family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative preemptions by the scheduler.",
                            e.scheduler.num_preemptions)
+        # speculation (a draft model or prompt lookup), as vLLM counts it: acceptance rate = accepted / draft
+        # tokens, mean acceptance length = 1 + accepted / drafts
+        yield self._family(CounterMetricFamily, "vllm:spec_decode_num_drafts", "Verifications of a proposal.",
+                           e.spec_drafts)
+        yield self._family(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Tokens proposed.",
+                           e.spec_proposed)
+        yield self._family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                           e.spec_accepted)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Proposed tokens accepted, by position in the proposal.",
+                                      labels=[*self.labels, "position"])
+        for i, n in enumerate(e.spec_accepted_per_pos):
+            per_pos.add_metric([*self.labels.values(), str(i)], n)
+        yield per_pos
 
 
 class Metrics:

@@ -211,3 +211,26 @@ def test_sampling_params_penalties_match_their_definition():
     greedy_p = SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0)
     first, second = logits[1].topk(2).indices.tolist()  # a gap of 8 (2 + 3 x 2) puts the runner-up ahead
     assert sample_rows(logits[1:], [greedy_p], [None], [None], [None], [[first] * 3])[0][0] == second
+
+
+def test_draft_speculation_in_the_server_equals_plain_decoding_and_is_counted(tiny):
+    """`leanlm serve TARGET --draft DRAFT`: the target as its own draft accepts nearly every proposal; greedy output
+    is the target's, and /metrics counts drafts and accepted tokens as vLLM names them."""
+    import re
+
+    model, tok = tiny
+    s = Server(model, tok, kv_cache_memory=1 << 24, draft=model, num_speculative=3)
+    try:
+        c = client(s)
+        r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tok.decode(greedy(model, tok, "hello world", 12))
+        text = httpx.get(s.url + "/metrics").text
+        counts = {name: float(re.search(rf'^{name}_total{{model_name="tiny"}} (\S+)', text, re.M).group(1))
+                  for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                               "vllm:spec_decode_num_accepted_tokens")}
+        assert counts["vllm:spec_decode_num_drafts"] > 0
+        assert 0 < counts["vllm:spec_decode_num_accepted_tokens"] <= counts["vllm:spec_decode_num_draft_tokens"]
+        assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+    finally:
+        s.stop()

@@ -179,3 +179,18 @@ def test_a_two_turn_tool_loop_with_the_openai_client(served):
     assert final.choices[0].message.content or final.choices[0].message.tool_calls
     if model_name.startswith("qwen"):  # its template carries the result back to the model as <tool_response>
         assert "21" in final.choices[0].message.content or final.choices[0].message.tool_calls
+
+
+def test_langchain_structured_output_and_tool_binding(served):
+    """LangChain's ChatOpenAI pointed at the server: with_structured_output(method="json_schema") returns the
+    object, and bind_tools(tool_choice=...) returns a tool call with arguments that fit."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    _, server = served
+    llm = langchain_openai.ChatOpenAI(model=NAME, base_url=server.url + "/v1", api_key=KEY, temperature=0,
+                                      max_tokens=120, max_retries=0)
+    person = llm.with_structured_output(PERSON | {"title": "Person"}, method="json_schema", strict=True)
+    answer = person.invoke("Invent a person with a name and an age.")
+    jsonschema.validate(answer, PERSON)
+    message = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Oslo, in celsius?")
+    assert message.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])

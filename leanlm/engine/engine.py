@@ -246,9 +246,11 @@ class Engine:
         for seq, position, n in prompt_rows:
             rows, k = lp[at : at + n], seq.params.prompt_logprobs
             nxt = seq.prompt_ids[position + 1 : position + 1 + n]
-            chosen = rows.gather(-1, torch.tensor(nxt, device=rows.device)[:, None])[:, 0].tolist()
+            chosen = rows.gather(-1, torch.tensor(nxt, device=rows.device)[:, None])  # [n, 1]
+            ranks = (rows > chosen).sum(-1).add(1).tolist()
             top_v, top_i = (x.tolist() for x in rows.topk(k, dim=-1)) if k else ([[]] * n, [[]] * n)
-            seq.prompt_logprobs += [TokenLogprobs(t, c, list(zip(i, v))) for t, c, i, v in zip(nxt, chosen, top_i, top_v)]
+            seq.prompt_logprobs += [TokenLogprobs(t, c, list(zip(i, v)), r)
+                                    for t, c, i, v, r in zip(nxt, chosen[:, 0].tolist(), top_i, top_v, ranks)]
             at += n
 
     def _fork(self, sampling: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int]]:

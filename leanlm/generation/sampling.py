@@ -132,6 +132,7 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # the token's place among all ids by probability (1: the most likely), when known
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -449,10 +449,11 @@ def _completion_logprobs(tok, items: list) -> dict:
 
 
 def _prompt_logprobs(tok, items: list) -> list:
-    """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, decoded_token}} holding
-    the prompt's token and the top alternatives."""
-    return [None if x is None else {str(t): {"logprob": lp, "decoded_token": _token_text(tok, t)}
-                                    for t, lp in [(x.token, x.logprob), *x.top]} for x in items]
+    """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    holding the prompt's token and the top alternatives."""
+    return [None if x is None else {str(t): {"logprob": lp, "rank": rank, "decoded_token": _token_text(tok, t)}
+                                    for t, lp, rank in [*((t, lp, i + 1) for i, (t, lp) in enumerate(x.top)),
+                                                        (x.token, x.logprob, x.rank)]} for x in items]
 
 
 def _chat_logprob(tok, x) -> dict:

@@ -56,6 +56,10 @@ def test_echo_with_logprobs_returns_the_prompts_tokens_and_their_logprobs(server
     first = chunks[0]["choices"][0]["prompt_logprobs"]
     assert first[0] is None and len(first) == len(ids[1])
     assert all(str(t) in entry for t, entry in zip(ids[1][1:], first[1:]))
+    with torch.no_grad():  # a token's rank: 1 + the ids more likely than it
+        logits = tiny[0](torch.tensor([ids[1]]), torch.arange(len(ids[1]))[None], None)[0, :-1]
+    want = (logits > logits.gather(-1, torch.tensor(ids[1][1:])[:, None])).sum(-1) + 1
+    assert [entry[str(t)]["rank"] for t, entry in zip(ids[1][1:], first[1:])] == want.tolist()
     assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
 
 

@@ -186,3 +186,8 @@ def test_demo_status_lines_go_to_stderr(tiny_dir, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "compiling the decode step" in captured.err and "compiling" not in captured.out
     assert "leanlm summary" in captured.out
+
+
+def test_serve_reads_its_api_key_from_the_environment_and_says_so():
+    r = leanlm("serve", "--help", env={**__import__("os").environ, "COLUMNS": "200"})
+    assert r.returncode == 0 and "LEANLM_API_KEY" in r.stdout and "--api-key-file" in r.stdout

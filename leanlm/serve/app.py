@@ -244,7 +244,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
         if (body.prompt is None) == (body.messages is None):
             raise LeanLMError("give either prompt or messages")
         if body.messages is not None:
-            messages = [m.as_template_input() for m in body.messages]
+            messages = template_messages([m.as_template_input() for m in body.messages])
             text = await asyncio.to_thread(tok.apply_chat_template, messages, body.add_generation_prompt)
             ids = await asyncio.to_thread(tok.encode, text, False)
         else:

@@ -84,3 +84,21 @@ def test_a_draft_with_another_vocabulary_or_beside_prompt_lookup_is_refused(pair
     make_tokenizer(tiny_dir, vocab_size=50)  # another vocabulary
     with pytest.raises(LeanLMError, match="tokenizer is not the target's"):
         LLM(target, tok, quiet=True, kv_cache_memory=1 << 24, draft=str(tiny_dir))
+
+
+def test_a_draft_under_a_grammar_proposes_only_what_it_allows(pair):
+    """Constrained drafting: every proposal fits the grammar, so the greedy output is the one without a draft."""
+    import re
+
+    from leanlm.generation.grammar import GrammarSpec
+
+    target, tok, draft = pair
+    foxes = "(the quick brown fox ){2,6}"
+    params = SamplingParams(temperature=0, max_tokens=80, grammar=GrammarSpec("regex", foxes))
+    ps = [f"the quick brown fox {i}" for i in range(4)]
+    outputs = []
+    for options in ({}, {"draft": draft, "num_speculative": 3}):
+        llm = LLM(target, tok, quiet=True, kv_cache_memory=1 << 24, **options)
+        outputs.append([o.outputs[0].text for o in llm.generate(ps, params, progress=False)])
+    assert outputs[0] == outputs[1] and all(re.fullmatch(foxes, t) for t in outputs[1])
+    assert llm.engine.spec_accepted > 0

@@ -150,3 +150,20 @@ def test_stop_string_over_multibyte_text(any_tok, stop):
         pytest.skip("the tiny tokenizer loses these characters")
     out, d = detokenize_checked(any_tok, ids, (stop,))
     assert d.finish_reason == "stop" and out == d.text == full[: full.index(stop)]
+
+
+def test_each_token_decodes_a_window_not_the_whole_output(any_tok):
+    """Constant work per token: the ids decoded for one token stay few however long the output grows (re-decoding
+    everything made 2k tokens cost 100x what the first ones did)."""
+    ids = any_tok.encode(MERGES * 40, add_special_tokens=False)[:1500]
+    decoded = []
+
+    class Counting:
+        def decode(self, window, skip_special_tokens=True):
+            decoded.append(len(window))
+            return any_tok.decode(window, skip_special_tokens)
+
+    d = Detokenizer([], (), set())
+    text = "".join(d.add(t, Counting()) for t in ids) + d.flush(len(d.text))
+    assert text == any_tok.decode(ids) and len(ids) > 1000
+    assert max(decoded) <= 64  # a window: the tokens since the last whole character, and a few before

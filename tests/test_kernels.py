@@ -154,7 +154,7 @@ def test_kernels_run_inside_a_compiled_graph():
 def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype, int8):
     """Each sequence's query against the keys and values its block table names, by the definition (an int8 pool:
     codes times their scale per slot and kv head)."""
-    from leanlm.compress.quant.kv import quantize_per_token
+    from leanlm.cache.int8 import quantize_per_token
 
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, D, bs, blocks = 5, 6, 2, 64, 4, 45

@@ -12,7 +12,7 @@ import torch
 from leanlm.analysis.memory import kv_bytes_per_token, param_count, weight_bytes_read
 from leanlm.bench.probe import peaks
 from leanlm.cache.static import StaticCache
-from leanlm.compress.quant.kv import int8_bytes_per_head
+from leanlm.cache.int8 import int8_bytes_per_head
 from leanlm.generation.compiled import CompiledDecoder
 from leanlm.generation.decode import decode_step, prefill
 from leanlm.models.transformer import Transformer
@@ -60,7 +60,7 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
     """Time prefill and decode of random tokens (greedy, no early stop) on `model` as it is loaded.
 
     compiled: decode with a torch.compile'd step (the warm-up pass pays the compilation).
-    cache_cls: StaticCache or compress.quant.kv.Int8KVCache (GB/s then counts the int8 cache's bytes).
+    cache_cls: StaticCache or cache.int8.Int8KVCache (GB/s then counts the int8 cache's bytes).
     """
     cfg, dev = model.config, model.device
     step = CompiledDecoder(model).decode_step if compiled else partial(decode_step, model)

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from leanlm.compress.quant.kv import dequantize_per_token, int8_bytes_per_head, quantize_per_token
+from leanlm.cache.int8 import dequantize_per_token, int8_bytes_per_head, quantize_per_token
 from leanlm.errors import LeanLMError
 from leanlm.models.config import ModelConfig
 
@@ -33,7 +33,7 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
 
 class KVPool:
     """Every layer's keys and values, slot by slot: k[layer] [num_blocks * block_size, Hkv, D]. With int8=True the
-    entries are int8 codes with a float32 scale per (slot, head) (compress.quant.kv): about half the bytes."""
+    entries are int8 codes with a float32 scale per (slot, head) (cache.int8): about half the bytes."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device=None,
                  int8: bool = False):

@@ -87,7 +87,7 @@ def generate(
         return
     compiled = CompiledDecoder(net) if compile else None
     from leanlm.cache.static import StaticCache
-    from leanlm.compress.quant.kv import Int8KVCache
+    from leanlm.cache.int8 import Int8KVCache
 
     cache_cls = Int8KVCache if _int8_kv(kv_cache) else StaticCache
     if len(prompt) == 1:

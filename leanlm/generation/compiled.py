@@ -13,7 +13,7 @@ import types
 import torch
 
 from leanlm.cache.static import StaticCache
-from leanlm.compress.quant.kv import dequantize_per_token, quantize_per_token
+from leanlm.cache.int8 import dequantize_per_token, quantize_per_token
 from leanlm.models.transformer import Transformer
 
 

@@ -38,7 +38,7 @@ def prefill(model: Transformer, prompts: list[list[int]], max_new: int, round_to
     """Run the prompts (left-padded to one length) through the model; return last logits [B, V] and the cache.
 
     round_to: size the cache to a multiple of this, so that a compiled decode step sees few distinct shapes.
-    cache_cls: StaticCache or a drop-in subclass (compress.quant.kv.Int8KVCache).
+    cache_cls: StaticCache or a drop-in subclass (cache.int8.Int8KVCache).
     """
     longest = max(len(p) for p in prompts)
     slots = min(-(-(longest + max_new) // round_to) * round_to, max(model.config.max_position, longest + max_new))

@@ -20,7 +20,7 @@ def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: st
     from leanlm.api import load
     from leanlm.bench.latency import bench
     from leanlm.cache.static import StaticCache
-    from leanlm.compress.quant.kv import Int8KVCache
+    from leanlm.cache.int8 import Int8KVCache
     from leanlm.generation import compiled as compiled_step
     from leanlm.runtime import pick_threads
 

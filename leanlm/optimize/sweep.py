@@ -215,7 +215,7 @@ class Sweep:
         self.status(f"{variant.name}: quality")
         from leanlm.api import load
         from leanlm.bench.compare import sizes
-        from leanlm.compress.quant.kv import Int8KVCache
+        from leanlm.cache.int8 import Int8KVCache
         from leanlm.eval.perplexity import score
 
         reference, ids = self._reference_and_ids()

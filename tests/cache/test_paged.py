@@ -163,7 +163,7 @@ def test_paged_logits_equal_static_cache_logits(tmp_path, int8):
     for p in prompts:
         cache_cls = StaticCache
         if int8:
-            from leanlm.compress.quant.kv import Int8KVCache as cache_cls
+            from leanlm.cache.int8 import Int8KVCache as cache_cls
         cache = cache_cls(model.config, 1, 32, torch.float32)
         expected.append(model(torch.tensor([p]), torch.arange(len(p))[None], cache)[0])
     ours = [logits[0:1], logits[1:2], logits[2:]]

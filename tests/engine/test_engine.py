@@ -296,7 +296,7 @@ def test_stop_token_ids_and_min_tokens(tiny):
 
 
 def test_int8_kv_pool_equals_one_by_one_with_the_int8_static_cache(tiny):
-    from leanlm.compress.quant.kv import Int8KVCache
+    from leanlm.cache.int8 import Int8KVCache
 
     model, tok = tiny
     ps = prompts(8, seed=11)

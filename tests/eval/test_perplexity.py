@@ -67,7 +67,7 @@ def test_agreement_self_is_perfect_and_noise_is_not(tmp_path):
 
 
 def test_an_int8_kv_cache_changes_the_scores_a_little(tmp_path):
-    from leanlm.compress.quant.kv import Int8KVCache
+    from leanlm.cache.int8 import Int8KVCache
     from leanlm.eval.perplexity import score
 
     make_hf_model("llama", tmp_path)

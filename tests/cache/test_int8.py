@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from leanlm.cache.static import StaticCache
-from leanlm.compress.quant.kv import Int8KVCache, dequantize_per_token, quantize_per_token
+from leanlm.cache.int8 import Int8KVCache, dequantize_per_token, quantize_per_token
 from leanlm.models.config import ModelConfig
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
@@ -132,3 +132,17 @@ def test_compiled_step_stores_and_reads_like_the_eager_int8_cache(tmp_path):
             assert (ours[layer][:, :, :n].int() - theirs[layer][:, :, :n].int()).abs().max() <= 1
         for ours, theirs in ((cache.k_scale, eager.k_scale), (cache.v_scale, eager.v_scale)):
             torch.testing.assert_close(ours[layer][:, :, :n], theirs[layer][:, :, :n], rtol=1e-5, atol=0)
+
+
+def test_the_per_token_grid_is_the_quantization_primitives_one():
+    """cache.int8 writes its grid itself (a cache must not import compress); it is the symmetric 8-bit grid of
+    compress.quant.primitives at token granularity, code for code."""
+    from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, quantize
+
+    spec = QuantSpec(bits=8, symmetric=True, granularity="token")
+    x = torch.randn(3, 2, 17, 64) * torch.logspace(-3, 2, 64)
+    x[0, 0, 0] = 0  # an all-zero vector
+    scale, zero = compute_qparams(x, spec)
+    q, s = quantize_per_token(x)
+    assert torch.equal(q, quantize(x, scale, zero, spec)) and torch.equal(s, scale)
+    assert torch.equal(quantize_per_token(x.bfloat16())[0], quantize(x.bfloat16(), *compute_qparams(x.bfloat16(), spec), spec))

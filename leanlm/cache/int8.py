@@ -1,15 +1,13 @@
-"""Int8KVCache: a StaticCache that stores keys/values as int8 with one absmax scale per (token, head)."""
+"""The int8 KV-cache format: keys and values as int8 codes with one absmax scale per (token, head), used by the
+static cache (Int8KVCache here), the paged pool (cache.paged) and the compiled slot cache (generation.compiled).
+It lives with the caches, under the algorithms that choose it, so that no cache reaches up into `compress`."""
 
 from __future__ import annotations
 
 import torch
 
 from leanlm.cache.static import StaticCache
-from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, quantize
 from leanlm.models.config import ModelConfig
-
-
-PER_TOKEN_INT8 = QuantSpec(bits=8, symmetric=True, granularity="token")  # one scale per (token, head)
 
 
 def int8_bytes_per_head(head_dim: int) -> int:
@@ -18,9 +16,10 @@ def int8_bytes_per_head(head_dim: int) -> int:
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax int8 over the last dim: x [..., D] -> (q int8 [..., D], scale float32 [..., 1])."""
-    scale, zero = compute_qparams(x, PER_TOKEN_INT8)
-    return quantize(x, scale, zero, PER_TOKEN_INT8), scale
+    """Symmetric absmax int8 over the last dim: x [..., D] -> (q int8 [..., D], scale float32 [..., 1]).
+    The grid is compress.quant.primitives' symmetric 8-bit one at token granularity (a test holds them equal)."""
+    scale = x.detach().float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    return (x.float() / scale).round_().clamp_(-128, 127).to(torch.int8), scale
 
 
 def dequantize_per_token(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,7 @@ from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import check_fits
-from leanlm.generation.grammar import apply_bitmask
+from leanlm.generation.grammar import GrammarCompiler, apply_bitmask
 from leanlm.generation.sampling import SamplingParams, TokenLogprobs, probabilities, sample_rows
 from leanlm.generation.speculative import LookupProposer, verify
 from leanlm.generation.text import Detokenizer, encode_prompt, eos_ids
@@ -105,13 +105,11 @@ class Engine:
         seqs[0].children = seqs[1:]
         return seqs
 
-    def grammars(self):
+    def grammars(self) -> GrammarCompiler:
         """The structured-output compiler (generation.grammar), made on first use: reading the vocabulary takes
         0.2-1.3 s. Any thread (make_request runs off the server's event loop)."""
         with self._grammar_lock:
             if self._grammars is None:
-                from leanlm.generation.grammar import GrammarCompiler
-
                 self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos)
             return self._grammars
 

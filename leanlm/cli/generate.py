@@ -100,7 +100,7 @@ def generate(
 
 def _generate_file(model, file, params, chat, engine_options: dict, dtype, device, threads) -> None:
     from leanlm.engine import LLM
-    from leanlm.engine.jsonl import read_requests, result_line
+    from leanlm.cli.jsonl import read_requests, result_line
 
     prompts, per_line = read_requests(file, params)
     llm = LLM(model, dtype=dtype, device=device, threads=threads, **engine_options)

@@ -144,7 +144,7 @@ def bench(
         _fail("--prompts is for speculative decoding: give --draft or --prompt-lookup too")
     chats = None
     if prompts is not None:
-        from leanlm.engine.jsonl import read_requests
+        from leanlm.cli.jsonl import read_requests
         from leanlm.errors import LeanLMError
         from leanlm.generation.sampling import SamplingParams
 

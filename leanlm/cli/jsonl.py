@@ -1,4 +1,5 @@
-"""Prompt files for `leanlm generate --file`: one JSON object per line, results written the same way."""
+"""Prompt files for `leanlm generate --file` and `leanlm bench --prompts`: one JSON object per line, results
+written the same way. File handling for the CLI, so it lives here, not in the engine."""
 
 from __future__ import annotations
 

@@ -42,11 +42,6 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def hf_to_leanlm(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename HF weights to ours, fusing q/k/v and gate/up into one projection each."""
-    return {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in hf_parts(sd, cfg).items()}
-
-
 def hf_parts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, list[torch.Tensor]]:
     """Our name -> the HF tensors whose rows, stacked in order, make it (q/k/v and gate/up fuse; the rest are one
     tensor each), so that a loader can write each weight once into its final place."""

@@ -71,7 +71,7 @@ def serve(
         if threads is not None:
             options["threads"] = threads
         serve_replicas(model, name, replicas, host, port, api_key, max_requests, options,
-                       ray_address, prompt_scorer=prompt_scorer)
+                       ray_address, prompt_scorer=prompt_scorer, max_n=max_n)
         return
     llm = AsyncLLM(model, threads=threads, **options)
     run_server(llm, name, host, port, api_key, max_requests, prompt_scorer=prompt_scorer, max_n=max_n)

@@ -27,9 +27,9 @@ def _replica_class():
     @serve.ingress()
     class LeanLMReplica:
         def __init__(self, model: str, name: str, api_key: str | None, max_requests: int, engine_options: dict,
-                     prompt_scorer: str):
+                     prompt_scorer: str, max_n: int):
             self.llm = AsyncLLM(model, **engine_options)
-            self.app_args = name, api_key, max_requests, prompt_scorer
+            self.app_args = name, api_key, max_requests, prompt_scorer, max_n
 
         def __serve_build_asgi_app__(self):
             return build_app(self.llm, *self.app_args)
@@ -42,7 +42,8 @@ def _replica_class():
 
 def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1", port: int = 8000,
                    api_key: str | None = None, max_requests: int = 512, engine_options: dict | None = None,
-                   ray_address: str | None = None, blocking: bool = True, prompt_scorer: str = "smollm2-135m") -> None:
+                   ray_address: str | None = None, blocking: bool = True, prompt_scorer: str = "smollm2-135m",
+                   max_n: int = 16) -> None:
     """Start `replicas` engines on Ray Serve behind http://host:port (a local Ray instance unless ray_address)."""
     try:
         import ray
@@ -63,8 +64,8 @@ def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1"
     deployment = serve.deployment(_replica_class(), name="LeanLMReplica", num_replicas=replicas,
                                   ray_actor_options={"num_cpus": options["threads"]},
                                   max_ongoing_requests=max_requests)
-    serve.run(deployment.bind(model, name, api_key, max_requests, options, prompt_scorer), name=APP_NAME, route_prefix="/",
-              blocking=blocking)
+    serve.run(deployment.bind(model, name, api_key, max_requests, options, prompt_scorer, max_n), name=APP_NAME,
+              route_prefix="/", blocking=blocking)
 
 
 def shutdown() -> None:

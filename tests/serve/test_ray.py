@@ -22,7 +22,7 @@ def test_two_replicas_serve_one_endpoint(tiny_dir):
 
     port = free_port()
     options = dict(dtype="float32", kv_cache_memory="16MiB", quiet=True)
-    serve_replicas(str(tiny_dir), "tiny", 2, port=port, engine_options=options, blocking=False)
+    serve_replicas(str(tiny_dir), "tiny", 2, port=port, engine_options=options, blocking=False, max_n=2)
     try:
         status = serve.status().applications[APP_NAME].deployments["LeanLMReplica"]
         assert status.replica_states == {"RUNNING": 2}
@@ -37,5 +37,8 @@ def test_two_replicas_serve_one_endpoint(tiny_dir):
                                                                    extra_body={"ignore_eos": True}) for p in prompts))
 
         assert [r.choices[0].text for r in asyncio.run(main())] == expected
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="max-n"):  # the replicas' bounds are the server's
+            c.completions.create(model="tiny", prompt="hi", max_tokens=2, n=3)
     finally:
         shutdown()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -14,16 +13,16 @@ from leanlm.models.layers import Linear
 
 METHODS: dict[str, type] = {}  # CLI name -> config class
 _HANDLERS: dict[type, Callable] = {}
-# Each module registers its methods when imported; `method()` imports them all on first use.
-MODULES = ("leanlm.compress.quant.rtn", "leanlm.compress.quant.gptq", "leanlm.compress.quant.awq",
-           "leanlm.compress.quant.smoothquant", "leanlm.compress.quant.llm_int8",
-           "leanlm.compress.sparse.structured", "leanlm.compress.sparse.magnitude", "leanlm.compress.sparse.wanda",
-           "leanlm.compress.sparse.sparsegpt", "leanlm.compress.sparse.taylor", "leanlm.compress.distill.step")
+KINDS = ("quantize", "prune", "distill")  # what a method does to a model: a config's `kind`
 
 
 def register(config_cls: type) -> Callable:
     """@register(RTN) on `handler(model, config, progress, samples) -> {layer name: record}` makes 'rtn' a
-    method. `samples` [n, T] are calibration token ids, None when the caller has none."""
+    method. `samples` [n, T] are calibration token ids, None when the caller has none. The config class names
+    itself (`name`) and says what it does (`kind`, one of KINDS). The methods are the modules that
+    compress.methods imports."""
+    if getattr(config_cls, "kind", None) not in KINDS:
+        raise TypeError(f"{config_cls.__name__}.kind must be one of {KINDS}")
 
     def decorate(handler: Callable) -> Callable:
         METHODS[config_cls.name] = config_cls
@@ -34,8 +33,8 @@ def register(config_cls: type) -> Callable:
 
 
 def method(name: str) -> type:
-    for module in MODULES:
-        importlib.import_module(module)
+    import leanlm.compress.methods  # noqa: F401  (registers every method; its modules import this one)
+
     try:
         return METHODS[name]
     except KeyError:

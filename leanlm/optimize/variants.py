@@ -47,7 +47,7 @@ class Variant:
 
     @property
     def prunes(self) -> bool:
-        return any(method(s["method"]).__module__.startswith("leanlm.compress.sparse") for s in self.steps)
+        return any(method(s["method"]).kind == "prune" for s in self.steps)
 
     def model_key(self) -> str:
         """Names the built model: only what changes the weights."""

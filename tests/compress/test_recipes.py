@@ -90,3 +90,16 @@ def test_recipe_excludes_other_method_options(tiny_dir, tmp_path):
     recipe.write_text("- method: rtn\n")
     r = leanlm("quantize", tiny_dir, "--recipe", recipe, "--bits", "4", "-o", tmp_path / "never")
     assert r.returncode == 2 and "drop --bits" in r.stderr
+
+
+def test_every_method_says_what_it_does_and_optimize_reads_it():
+    from leanlm.compress.registry import KINDS, METHODS, method
+    from leanlm.optimize.variants import Variant
+
+    method("rtn")  # imports compress.methods
+    kinds = {name: cls.kind for name, cls in METHODS.items()}
+    assert set(kinds.values()) == set(KINDS) and len(kinds) >= 16
+    assert {n for n, k in kinds.items() if k == "prune"} == {"magnitude", "wanda", "sparsegpt", "taylor", "heads",
+                                                              "neurons", "layers"}
+    assert Variant("p", steps=({"method": "wanda"}, {"method": "rtn"})).prunes
+    assert not Variant("q", steps=({"method": "smooth"}, {"method": "rtn"})).prunes

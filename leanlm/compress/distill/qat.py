@@ -26,6 +26,7 @@ class QAT(RTN):
     """The runtime scheme trained for: bits 8 (W8A16; W8A8 with act_bits 8) or 4 (W4A16 groups)."""
 
     name: ClassVar[str] = "qat"
+    kind: ClassVar[str] = "distill"
 
     @staticmethod
     def parse(text: str) -> QAT:

@@ -20,6 +20,7 @@ class Distill:
     the built-in calibration split). The budget (steps, tokens or minutes) and the rest are DistillConfig's."""
 
     name: ClassVar[str] = "distill"
+    kind: ClassVar[str] = "distill"
     needs_data: ClassVar[bool] = False  # it reads its own training text, not the calibration windows
     teacher: str | None = None
     loss: str = "fkl"

@@ -21,6 +21,7 @@ class LLMInt8:
     inf gives plain dynamic W8A8."""
 
     name: ClassVar[str] = "llm_int8"
+    kind: ClassVar[str] = "quantize"
     threshold: float = 6.0
 
     def __post_init__(self):

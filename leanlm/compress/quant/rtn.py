@@ -32,6 +32,7 @@ class RTN:
     32}; where several patterns match a name, the last one wins. Unset, every projection gets `bits`."""
 
     name: ClassVar[str] = "rtn"
+    kind: ClassVar[str] = "quantize"
     bits: int = 8
     group_size: int = 128
     act_bits: int = 16
@@ -96,6 +97,7 @@ class Int4Options:
     groups along K (g, or the largest of 64/32 dividing a layer's K)."""
 
     name: ClassVar[str] = ""
+    kind: ClassVar[str] = "quantize"
     bits: int = 4
     group_size: int = 128
 
@@ -158,6 +160,7 @@ class FP8:
     """float8 e4m3 weights with per-channel scales."""
 
     name: ClassVar[str] = "fp8"
+    kind: ClassVar[str] = "quantize"
 
 
 @register(FP8)
@@ -172,6 +175,7 @@ class Head:
     step; with tied embeddings the input embedding keeps its 16-bit copy (a lookup reads one row per token)."""
 
     name: ClassVar[str] = "lm_head"
+    kind: ClassVar[str] = "quantize"
     bits: int = 8
     group_size: int = 128
 

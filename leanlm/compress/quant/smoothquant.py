@@ -156,6 +156,7 @@ class SmoothQuant:
       searched on every 16th row (every window's first position among them) in 0.05 steps 55.711 (0.0071)."""
 
     name: ClassVar[str] = "smoothquant"
+    kind: ClassVar[str] = "quantize"
     needs_data: ClassVar[bool] = True
     alpha: float | None = None  # None: searched per projection (search_alpha)
     smooth_down: bool = True

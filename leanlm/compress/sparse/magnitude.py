@@ -22,6 +22,7 @@ class SparsityOptions:
     that fixes it to (M - N) / M."""
 
     name: ClassVar[str] = ""
+    kind: ClassVar[str] = "prune"
     sparsity: float | None = None
     pattern: str | None = None
 

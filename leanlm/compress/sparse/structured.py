@@ -43,6 +43,7 @@ class Heads:
     (slicing.kv_group_scores). heads: query heads kept per layer, a multiple of the GQA group size."""
 
     name: ClassVar[str] = "heads"
+    kind: ClassVar[str] = "prune"
     needs_data: ClassVar[bool] = True
     target_params: float | None = None
     heads: int | None = None
@@ -65,6 +66,7 @@ class Neurons:
     contribution: ||down[:, j]|| * ||h_j||, what removing j alone takes out of the MLP output."""
 
     name: ClassVar[str] = "neurons"
+    kind: ClassVar[str] = "prune"
     needs_data: ClassVar[bool] = True
     target_params: float | None = None
     intermediate_size: int | None = None
@@ -88,6 +90,7 @@ class Layers:
     forward over the samples per remaining layer per removed layer)."""
 
     name: ClassVar[str] = "layers"
+    kind: ClassVar[str] = "prune"
     needs_data: ClassVar[bool] = True
     target_params: float | None = None
     num_layers: int | None = None

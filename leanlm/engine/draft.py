@@ -10,7 +10,7 @@ import torch
 from leanlm.cache.paged import KVPool
 from leanlm.cache.paged_attention import PagedStep
 from leanlm.engine.sequence import Sequence
-from leanlm.generation.grammar import apply_bitmask
+from leanlm.generation.grammar import mask_rows
 from leanlm.generation.sampling import probabilities
 from leanlm.models.transformer import Transformer
 
@@ -35,7 +35,8 @@ class Drafter:
             order = sorted(range(len(active)), key=lambda i: len(feeds[i]) > 1)  # single tokens first
             active, feeds, starts = ([x[i] for i in order] for x in (active, feeds, starts))
             logits = self._forward(active, feeds, starts)  # [B, V]
-            self._mask(active, logits, drafted)
+            # a constrained sequence drafts only what its grammar allows after the tokens drafted so far
+            mask_rows(logits, [(s.matcher, [i], ()) for i, s in enumerate(active) if s.matcher is not None])
             for s, row in zip(active, logits):
                 if s.params.greedy:
                     token = int(row.argmax())
@@ -63,17 +64,6 @@ class Drafter:
         step = PagedStep(self.pool, [s.block_table for s in seqs], starts, [len(f) for f in feeds], dev)
         return self.model(torch.tensor([tokens], device=dev), torch.tensor([positions], device=dev), step,
                           rows=ends)[0].float()
-
-    @staticmethod
-    def _mask(seqs: list[Sequence], logits: torch.Tensor, drafted: dict) -> None:
-        """A constrained sequence drafts only what its grammar allows after the tokens drafted so far."""
-        constrained = [(i, s) for i, s in enumerate(seqs) if s.matcher is not None]
-        if not constrained:
-            return
-        bitmask = constrained[0][1].matcher.compiler.allocate_bitmask(len(seqs))
-        for i, s in constrained:
-            s.matcher.fill(bitmask, i)
-        apply_bitmask(logits, bitmask, [i for i, _ in constrained])
 
     @staticmethod
     def rewind(seq: Sequence) -> None:

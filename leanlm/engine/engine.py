@@ -17,8 +17,8 @@ from leanlm.engine.scheduler import Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import check_fits
-from leanlm.generation.grammar import GrammarCompiler, apply_bitmask
-from leanlm.generation.sampling import SamplingParams, TokenLogprobs, probabilities, sample_rows
+from leanlm.generation.grammar import GrammarCompiler, mask_rows
+from leanlm.generation.sampling import SamplingParams, probabilities, sample_rows, token_logprobs
 from leanlm.generation.speculative import LookupProposer, verify
 from leanlm.generation.text import Detokenizer, encode_prompt, eos_ids
 from leanlm.models.transformer import Transformer
@@ -180,20 +180,7 @@ class Engine:
     def _mask(self, logits: torch.Tensor, constrained: list[tuple[Sequence, list[int]]]) -> None:
         """Structured outputs: each constrained sequence's disallowed tokens set to -inf in its rows, in place
         # logits [R, V]; constrained: (sequence, its rows: the next token's, then one per proposed token)"""
-        if not constrained:
-            return
-        grammars = self._grammars
-        bitmask = grammars.allocate_bitmask(len(logits))
-        rows = []
-        for seq, seq_rows in constrained:
-            m = seq.matcher
-            for j, row in enumerate(seq_rows):  # a proposal's row j: the state after its first j tokens
-                m.fill(bitmask, row)
-                if j < len(seq.proposal):
-                    m.accept(seq.proposal[j])
-            m.rollback(len(seq_rows) - 1)
-            rows += seq_rows
-        apply_bitmask(logits, bitmask, rows)
+        mask_rows(logits, [(seq.matcher, rows, seq.proposal) for seq, rows in constrained])
 
     def _propose(self) -> None:
         """Prompt lookup: a decoding sequence proposes the tokens that followed the latest earlier match of its last
@@ -239,16 +226,10 @@ class Engine:
     def _prompt_logprobs(self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
         """Each prompt token's log-probability given the ones before it, with the top alternatives
         # logits [sum of n, V]: for (seq, position, n), the rows at positions position .. position + n - 1"""
-        lp = logits.float().log_softmax(-1)
         at = 0
         for seq, position, n in prompt_rows:
-            rows, k = lp[at : at + n], seq.params.prompt_logprobs
             nxt = seq.prompt_ids[position + 1 : position + 1 + n]
-            chosen = rows.gather(-1, torch.tensor(nxt, device=rows.device)[:, None])  # [n, 1]
-            ranks = (rows > chosen).sum(-1).add(1).tolist()
-            top_v, top_i = (x.tolist() for x in rows.topk(k, dim=-1)) if k else ([[]] * n, [[]] * n)
-            seq.prompt_logprobs += [TokenLogprobs(t, c, list(zip(i, v)), r)
-                                    for t, c, i, v, r in zip(nxt, chosen[:, 0].tolist(), top_i, top_v, ranks)]
+            seq.prompt_logprobs += token_logprobs(logits[at : at + n], nxt, seq.params.prompt_logprobs, ranks=True)
             at += n
 
     def _fork(self, sampling: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int]]:

@@ -241,6 +241,23 @@ class Matcher:
         return _one_line(self._m.get_error()) if self._m.is_error() else None
 
 
+def mask_rows(logits: torch.Tensor, constrained: list[tuple[Matcher, list[int], Sequence[int]]]) -> None:
+    """Each matcher's disallowed tokens to -inf in its rows, in place: row j by its state after tokens[:j] (a
+    proposal's rows), the state as it was afterwards  # logits [R, V]; (matcher, its rows, the tokens between)"""
+    if not constrained:
+        return
+    bitmask = constrained[0][0].compiler.allocate_bitmask(len(logits))
+    rows = []
+    for m, own, tokens in constrained:
+        for j, row in enumerate(own):
+            m.fill(bitmask, row)
+            if j < len(own) - 1:
+                m.accept(tokens[j])
+        m.rollback(len(own) - 1)
+        rows += own
+    apply_bitmask(logits, bitmask, rows)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
     """Set the logits of disallowed tokens to -inf, in place  # logits [R, V], bitmask [R, W] int32 (W*32 >= V)
 

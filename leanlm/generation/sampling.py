@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -273,11 +273,18 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams], ids: list[int]
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
         return out
-    lp = logits[want].float().log_softmax(-1)  # [W, V]
-    chosen = lp.gather(-1, torch.tensor([ids[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
-    top_v, top_i = lp.topk(min(max(params[i].logprobs for i in want), lp.shape[-1]), dim=-1)  # [W, k], sorted
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j, i in enumerate(want):
-        k = params[i].logprobs
-        out[i] = TokenLogprobs(ids[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+    rows = token_logprobs(logits[want], [ids[i] for i in want], max(params[i].logprobs for i in want))
+    for i, row in zip(want, rows):
+        out[i] = replace(row, top=row.top[: params[i].logprobs])
     return out
+
+
+def token_logprobs(logits: torch.Tensor, ids: list[int], k: int, ranks: bool = False) -> list[TokenLogprobs]:
+    """Each row's id: its log-probability, the k most likely ids with theirs, and with ranks=True its rank (1 + the
+    ids more likely)  # logits [R, V] raw, R ids -> R entries"""
+    lp = logits.float().log_softmax(-1)  # [R, V]
+    chosen = lp.gather(-1, torch.tensor(ids, device=lp.device)[:, None])  # [R, 1]
+    top_v, top_i = (x.tolist() for x in lp.topk(min(k, lp.shape[-1]), dim=-1))  # [R, k], sorted
+    rank = (lp > chosen).sum(-1).add(1).tolist() if ranks else [None] * len(ids)
+    return [TokenLogprobs(t, c, list(zip(i, v)), r) for t, c, i, v, r in zip(ids, chosen[:, 0].tolist(), top_i, top_v,
+                                                                           rank)]

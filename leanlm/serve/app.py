@@ -288,13 +288,16 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        run = await start(body, body.prompts(), body.params(), chat=False)
+        prompts = body.prompts()
+        run = await start(body, prompts, body.params(), chat=False)
         if isinstance(run, JSONResponse):
             return run
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
 
-        prompt_texts = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts()]
+        # echoed prompts as sent; token ids decoded (off the loop, and only when asked for)
+        prompt_texts = await asyncio.to_thread(lambda: [p if isinstance(p, str) else tok.decode(p) for p in prompts]
+                                               if body.echo else [])
 
         def choice(i: int, text: str, logprobs: list, finish: str | None, first: bool) -> dict:
             """first: the choice's first piece, which carries the echoed prompt and the prompt's logprobs."""

@@ -36,7 +36,8 @@ def generate(
     file: Annotated[Optional[Path], typer.Option(help="JSONL of prompts ({\"prompt\": ...} or {\"messages\": [...]}, "
                                                   "optional sampling fields per line) run through the serving engine; "
                                                   "prints one JSON line per prompt")] = None,
-    kv_cache_memory: Annotated[str, typer.Option(help="with --file: KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "1GiB",
+    kv_cache_memory: Annotated[str, typer.Option(help="with --file or --json-schema/--regex: KV cache budget (e.g. "
+                                                      "2GiB, or 0.3 of free memory)")] = "1GiB",
     max_num_seqs: Annotated[int, typer.Option(help="with --file: most sequences decoded together")] = 256,
     deterministic: Annotated[bool, typer.Option(help="with --file: outputs independent of batching, chunking and "
                                                      "speculation (slower; see `leanlm.LLM`)")] = False,
@@ -73,7 +74,9 @@ def generate(
     if params.grammar is not None and file is None:  # the engine masks each step by the grammar
         if draft or compile:
             _fail("--json-schema/--regex run through the engine: drop --draft and --compile (or use leanlm serve)")
-        _generate_engine(model, prompt, params, chat, prompt_lookup or 0, dtype, device, threads)
+        options = dict(kv_cache_memory=kv_cache_memory, prompt_lookup=prompt_lookup or 0,
+                       kv_cache_dtype="int8" if _int8_kv(kv_cache) else "auto")
+        _generate_engine(model, prompt, params, chat, options, dtype, device, threads)
         return
     if file is not None:
         _generate_file(model, file, params, chat, dict(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -123,12 +126,11 @@ def _grammar(json_schema: Path | None, regex: str | None):
     return GrammarSpec.one_of(json_schema=schema, regex=regex)
 
 
-def _generate_engine(model, prompts: list[str], params, chat: bool, prompt_lookup: int, dtype, device,
+def _generate_engine(model, prompts: list[str], params, chat: bool, engine_options: dict, dtype, device,
                      threads) -> None:
     from leanlm.engine import LLM
 
-    llm = LLM(model, dtype=dtype, device=device, threads=threads, kv_cache_memory="256MiB", quiet=True,
-              prompt_lookup=prompt_lookup)
+    llm = LLM(model, dtype=dtype, device=device, threads=threads, quiet=True, **engine_options)
     outputs = llm.generate(prompts, params, chat=chat, progress=False)
     for i, output in enumerate(outputs):
         if len(prompts) > 1:

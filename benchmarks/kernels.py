@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leanlm import kernels
-from leanlm.compress.quant.linear import pack_int4
+from leanlm.lowbit.linear import pack_int4
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
           "lm_head": (49152, 576)}  # SmolLM2-135M, [N, K]

@@ -11,7 +11,7 @@ import time
 import torch
 
 from leanlm import kernels
-from leanlm.compress.quant.linear import pack_int4
+from leanlm.lowbit.linear import pack_int4
 
 ns = {"on": kernels.build(), "off": kernels.build("noprefetch")}
 torch.manual_seed(0)

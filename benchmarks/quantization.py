@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from leanlm.bench.compare import quality, speed
-from leanlm.compress.quant import format as qformat
 from leanlm.fetch import cache_dir
+from leanlm.lowbit.record import RECORD, VERSION
 
 err = Console(stderr=True)
 
@@ -55,7 +55,7 @@ def quantized(model: str, variant: str, samples: int, seq_len: int) -> Path:
     calibrated = any(m in options for m in CALIBRATED)
     tag = f"{variant}-n{samples}x{seq_len}" if calibrated else variant
     out = cache_dir() / "bench-quant" / model / tag
-    if out.exists() and json.loads((out / qformat.RECORD).read_text()).get("version") != qformat.VERSION:
+    if out.exists() and json.loads((out / RECORD).read_text()).get("version") != VERSION:
         shutil.rmtree(out)  # made by an older leanlm
     if not out.exists():
         cmd = [sys.executable, "-m", "leanlm.cli", "quantize", model, *options, "-o", str(out)]

@@ -27,8 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 from leanlm import kernels
-from leanlm.compress.sparse.format import pack_24
 from leanlm.compress.sparse.masks import nm_mask
+from leanlm.lowbit.sparse24 import pack_24
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
           "2048x8192": (2048, 8192), "8192x2048": (8192, 2048)}  # [N, K]; the first four: SmolLM2-135M
@@ -65,10 +65,11 @@ def e2e(path: str, rounds: int, lm_head: int, new_tokens: int = 64) -> None:
     """Decode tokens/s of the compact model and its dense-int8 twin, measured in alternation."""
     import copy
 
-    from leanlm.compress.quant.linear import W8A16Linear, W8A16Sparse24Linear
-    from leanlm.compress.registry import apply, make_config, replace
+    from leanlm.compress.registry import apply, make_config
     from leanlm.generation.compiled import CompiledDecoder
     from leanlm.generation.decode import prefill
+    from leanlm.lowbit.linear import W8A16Linear, W8A16Sparse24Linear
+    from leanlm.lowbit.record import replace
     from leanlm.models.loading import load_model
 
     compact = load_model(path, torch.bfloat16)

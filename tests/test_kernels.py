@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leanlm import kernels
-from leanlm.compress.quant.linear import pack_int4
+from leanlm.lowbit.linear import pack_int4
 
 
 def _cpu_has(*flags: str) -> bool:

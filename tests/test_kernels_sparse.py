@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanlm.compress.sparse.format import pack_24
 from leanlm.compress.sparse.masks import nm_mask
+from leanlm.lowbit.sparse24 import pack_24
 from tests.test_kernels import _build, _rel, ops  # noqa: F401  (ops: the fixture over the three builds)
 
 

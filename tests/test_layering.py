@@ -10,7 +10,7 @@ import leanlm
 
 ROOT = Path(leanlm.__file__).parent
 # the runtime's floor: the model, its caches and kernels, decoding, and what they stand on
-LOW = ("models", "cache", "generation", "kernels", "runtime", "tokenizer", "errors", "fetch")
+LOW = ("lowbit", "models", "cache", "generation", "kernels", "runtime", "tokenizer", "errors", "fetch")
 # algorithms that write the runtime's format, and the jobs and front ends that use them
 HIGH = ("compress", "engine", "serve", "optimize", "eval", "bench", "cli", "api")
 

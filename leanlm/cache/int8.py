@@ -17,7 +17,7 @@ def int8_bytes_per_head(head_dim: int) -> int:
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax int8 over the last dim: x [..., D] -> (q int8 [..., D], scale float32 [..., 1]).
-    The grid is compress.quant.primitives' symmetric 8-bit one at token granularity (a test holds them equal)."""
+    The grid is lowbit.primitives' symmetric 8-bit one at token granularity (a test holds them equal)."""
     scale = x.detach().float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
     return (x.float() / scale).round_().clamp_(-128, 127).to(torch.int8), scale
 

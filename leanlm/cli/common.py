@@ -98,7 +98,7 @@ def _apply_steps(net, configs: list, calibration, records: dict[str, dict], tota
     from rich.progress import Progress
 
     from leanlm.compress.registry import apply, merge_records
-    from leanlm.compress.sparse.masks import note_pruning
+    from leanlm.lowbit.record import note_pruning
 
     with Progress(console=err, transient=True) as bar:
         for config in configs:
@@ -106,7 +106,7 @@ def _apply_steps(net, configs: list, calibration, records: dict[str, dict], tota
             step = apply(net, config, progress=lambda name: bar.advance(task), samples=calibration)
             records = merge_records(records, step)
     if compact:
-        from leanlm.compress.sparse.format import compact_24
+        from leanlm.compress.sparse.compact import compact_24
 
         compact_24(net, records)
     note_pruning(net, records)  # a quantized layer's codes cannot say what pruning did before

@@ -50,6 +50,7 @@ def quantize(
     from leanlm.compress.registry import make_config
     from leanlm.compress.sparse.save import read_record
     from leanlm.fetch import atomic_dir
+    from leanlm.lowbit.record import is_quantized
     from leanlm.models.zoo import resolve
 
     options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order, "alpha": alpha,
@@ -61,7 +62,7 @@ def quantize(
     _check_run(output, samples, seq_len)
     source = resolve(model)
     configs = _with_teacher(configs, source)
-    if qformat.is_quantized(source):
+    if is_quantized(source):
         _fail(f"{model} is already quantized; start from the float model")
     net, tok = load(source, dtype, "cpu")
     calibration = _calibration(configs, tok, data, samples, seq_len, net.config.max_position)
@@ -99,20 +100,20 @@ def export(
     """Write MODEL for another runtime: a quantized model in the compressed-tensors layout that vLLM and
     transformers load (w4a16, w8a16, w8a8 and fp8 layers), or any model as one GGUF file for llama.cpp (16-bit
     weights as they are, w8a16 as Q8_0, w4a16 as Q4_1). The integer codes are kept as they are."""
-    from leanlm.compress.quant import format as qformat
     from leanlm.compress.quant.export import export as write
     from leanlm.fetch import atomic_dir
+    from leanlm.lowbit.record import RECORD, is_quantized
     from leanlm.models.loading import load_model
 
     if format not in ("compressed-tensors", "gguf"):
         _fail(f"--format must be compressed-tensors or gguf, got {format!r}")
     if format == "gguf":
         return _export_gguf(str(model), output, round_offsets)
-    if not qformat.is_quantized(model):
+    if not is_quantized(model):
         _fail(f"{model} is not a directory written by `leanlm quantize`")
     if output.exists():
         _fail(f"{output} already exists; choose a new output directory")
-    record = json.loads((model / qformat.RECORD).read_text())
+    record = json.loads((model / RECORD).read_text())
     net = load_model(model, record["dtype"])  # the 16-bit parts as they were saved
     with atomic_dir(output) as tmp:
         qconfig = write(net, model, tmp)
@@ -121,16 +122,16 @@ def export(
 
 
 def _export_gguf(model: str, output: Path, round_offsets: bool) -> None:
-    from leanlm.compress.quant import format as qformat
     from leanlm.compress.quant.gguf_export import export_gguf
+    from leanlm.lowbit.record import RECORD, is_quantized
     from leanlm.models.loading import load_model
     from leanlm.models.zoo import resolve
 
     if output.exists():
         _fail(f"{output} already exists; choose a new file name")
     source = resolve(model)
-    if qformat.is_quantized(source):
-        dtype = json.loads((source / qformat.RECORD).read_text())["dtype"]  # the 16-bit parts as they were saved
+    if is_quantized(source):
+        dtype = json.loads((source / RECORD).read_text())["dtype"]  # the 16-bit parts as they were saved
     else:  # a float model's own 16-bit dtype; float32 is written as float16, as llama.cpp's converter does
         config = json.loads((source / "config.json").read_text())
         dtype = "bfloat16" if config.get("torch_dtype", config.get("dtype")) == "bfloat16" else "float16"

@@ -84,11 +84,12 @@ def distill(
     from leanlm.compress.distill.qat import QAT, export, prepare
     from leanlm.compress.distill.trainer import DistillConfig, Trainer, plot_history
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.sparse.save import read_record, save_float
     from leanlm.compress.registry import decoder_linears, merge_records, renumber_layers
-    from leanlm.compress.sparse.masks import layer_record, note_pruning
+    from leanlm.compress.sparse.masks import layer_record
+    from leanlm.compress.sparse.save import read_record, save_float
     from leanlm.compress.sparse.structured import drop_layers
     from leanlm.eval.datasets import load_text
+    from leanlm.lowbit.record import note_pruning
     from leanlm.models.zoo import resolve
 
     if (student is None) == (student_from is None):

@@ -51,6 +51,7 @@ def prune(
     from leanlm.compress.registry import recipe_steps
     from leanlm.compress.sparse.save import read_record, save_float
     from leanlm.fetch import atomic_dir
+    from leanlm.lowbit.record import is_quantized
     from leanlm.models.zoo import resolve
 
     options = {"sparsity": sparsity, "pattern": pattern, "target_params": target_params, "bits": bits, "scope": scope,
@@ -62,7 +63,7 @@ def prune(
     _check_run(output, samples, seq_len)
     source = resolve(model)
     configs = _with_teacher(configs, source)
-    if qformat.is_quantized(source):
+    if is_quantized(source):
         _fail(f"{model} is quantized; prune the float model (and quantize after, or with sparsegpt --bits)")
     net, tok = load(source, dtype, "cpu")
     calibration = _calibration(configs, tok, data, samples, seq_len, net.config.max_position)

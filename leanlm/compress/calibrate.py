@@ -39,7 +39,7 @@ def calibrate(model: nn.Module, samples: torch.Tensor,
         rows [batch * T, in_features] (the activations themselves stay in the model's dtype).
     solve(block_index, block, {name: (linear, stats)}) runs after the stats of a block are complete; names
         are relative to the model ("layers.3.self_attn.qkv_proj"). It may change weights in place or
-        replace modules (registry.replace); the block is then re-run to produce the next block's inputs.
+        replace modules (lowbit.record.replace); the block is then re-run to produce the next block's inputs.
     progress(name) is called with "layers.{i}" after each block.
     sequential: solve the block's Linears one at a time in forward order (qkv, o, gate_up, down), each on
         inputs that come through the already-solved ones ("true sequential" in the GPTQ reference code);

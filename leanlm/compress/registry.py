@@ -115,7 +115,3 @@ def decoder_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
         if name.startswith("layers.") and isinstance(module, Linear):
             yield name, module
 
-
-def replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)

@@ -9,7 +9,7 @@
 // AVX-512 VNNI `vpdpwssd` multiplies 32 int16 pairs into 16 int32 lanes, half the instructions per weight of
 // widening to float and FMA; the weights stream from memory at full speed instead of the cores falling behind.
 //
-// int4 layout (pack_int4 in compress/quant/linear.py): rows in tiles of 16; a tile holds, for every 4 columns
+// int4 layout (pack_int4 in leanlm/lowbit/linear.py): rows in tiles of 16; a tile holds, for every 4 columns
 // k..k+3, 32 bytes where bytes 2i and 2i + 1 are row i's (q[k] | q[k + 2] << 4) and (q[k + 1] | q[k + 3] << 4).
 // Zero-extended to 16 bits, a byte pair is one 32-bit lane: `& 15` gives row i's pair (q[k], q[k + 1]), `>> 4`
 // the pair (q[k + 2], q[k + 3]), each against one broadcast pair of activations. The 16 lanes are 16 output rows,

@@ -1,4 +1,4 @@
-// 2:4-sparse int8 weights read in their compact form (compress/sparse/format.py: pack_24), for decode:
+// 2:4-sparse int8 weights read in their compact form (leanlm/lowbit/sparse24.py: pack_24), for decode:
 //   int8_24_gemv: y[m, n] = scale[n] * sum_k x[m, k] w[n, k]   w [N, K] int8 with at most 2 nonzeros per 4 inputs
 // stored as values [N, K/2] int8 (the 2 kept codes of every group of 4, in column order) and masks [N, ceil(K/8)]
 // uint8 (a 4-bit mask per group with exactly 2 bits set, group 2j in the low nibble of byte j, 2j + 1 in the high

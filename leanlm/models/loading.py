@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from leanlm.errors import LeanLMError
+from leanlm.lowbit import record
 from leanlm.models.config import ModelConfig
 from leanlm.models.layers import rope_table
 from leanlm.models.transformer import Transformer
@@ -98,14 +99,12 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.bfloat16, device: st
     A directory written by `leanlm quantize` (it has quantization.json) gets its quantized modules back;
     their packed weights and scales keep the dtypes their kernels need, everything else takes `dtype`.
     """
-    from leanlm.compress.quant import format as qformat
-
     cfg = ModelConfig.from_dir(path)
     dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
-    ours = qformat.is_quantized(path)  # written by qformat.save: our names, not HF's
-    quantized = qformat.restore_modules(model, path) if ours else set()
+    ours = record.is_quantized(path)  # written by compress.quant.format.save: our names, not HF's
+    quantized = record.restore_modules(model, path) if ours else set()
     files = read_safetensors(path)  # memory-mapped: nothing is read until the copies below
     parts = {k: [v] for k, v in files.items()} if ours else hf_parts(files, cfg)
     rope = dict(zip(("rope_cos", "rope_sin"), rope_table(cfg)))

@@ -23,9 +23,10 @@ from torch import nn
 
 from leanlm.analysis.memory import stored_bytes
 from leanlm.compress.quant.rtn import KEEP_FLOAT, RTN, quantize_layer
-from leanlm.compress.registry import decoder_linears, replace
+from leanlm.compress.registry import decoder_linears
 from leanlm.compress.sparse.magnitude import magnitude_prune
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.record import replace
 
 FLOAT = "float"  # the option of leaving a projection as it is: KL 0 at its float bytes
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from leanlm.cache.static import StaticCache
 from leanlm.cache.int8 import Int8KVCache, dequantize_per_token, quantize_per_token
+from leanlm.cache.static import StaticCache
 from leanlm.models.config import ModelConfig
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
@@ -136,8 +136,8 @@ def test_compiled_step_stores_and_reads_like_the_eager_int8_cache(tmp_path):
 
 def test_the_per_token_grid_is_the_quantization_primitives_one():
     """cache.int8 writes its grid itself (a cache must not import compress); it is the symmetric 8-bit grid of
-    compress.quant.primitives at token granularity, code for code."""
-    from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, quantize
+    lowbit.primitives at token granularity, code for code."""
+    from leanlm.lowbit.primitives import QuantSpec, compute_qparams, quantize
 
     spec = QuantSpec(bits=8, symmetric=True, granularity="token")
     x = torch.randn(3, 2, 17, 64) * torch.logspace(-3, 2, 64)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from leanlm.compress.quant.awq import (AWQ, AWQStats, apply_scales, output_error, search_clip, search_scale,
-                                      weight_salience)
-from leanlm.compress.quant.linear import W4A16Linear
-from leanlm.compress.quant.primitives import QuantSpec, fake_quantize
+                                       weight_salience)
 from leanlm.compress.quant.rtn import RTN
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W4A16Linear
+from leanlm.lowbit.primitives import QuantSpec, fake_quantize
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from leanlm.compress.calibrate import calibrate
-from leanlm.compress.registry import decoder_linears, replace
+from leanlm.compress.registry import decoder_linears
+from leanlm.lowbit.record import replace
 from leanlm.models.layers import Linear
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model

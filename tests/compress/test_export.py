@@ -5,13 +5,13 @@ import torch
 from safetensors.torch import load_file
 
 from leanlm.compress.quant.export import export, pack_int32
-from leanlm.compress.quant.linear import W8A8Linear
 from leanlm.compress.quant.llm_int8 import LLMInt8
 from leanlm.compress.quant.rtn import FP8, RTN, Head
 from leanlm.compress.registry import apply
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W8A8Linear
 from leanlm.models.loading import load_model, to_hf_names
-from tests.conftest import make_hf_model, make_tokenizer
+from tests.conftest import make_hf_model
 from tests.test_cli import leanlm
 
 compressed_tensors = pytest.importorskip("compressed_tensors")

@@ -9,9 +9,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from leanlm.compress.quant.gguf_export import export_gguf, llama_cpp_pre
-from leanlm.compress.quant.linear import SCHEMES, W8A8Linear
 from leanlm.compress.quant.rtn import quantize_decoder
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import SCHEMES, W8A8Linear
 from leanlm.models.gguf import convert_gguf, gguf_name, open_gguf, unpermute_rotary
 from leanlm.models.loading import load_model, to_hf_names
 from leanlm.tokenizer import Tokenizer

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from leanlm.compress.quant.gptq import gptq_quantize
-from leanlm.compress.quant.primitives import QuantSpec, dequantize, fake_quantize, quantize
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.primitives import QuantSpec, dequantize, fake_quantize, quantize
 
 N, K, M = 64, 128, 384
 

@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.linear import Int8OutlierLinear, W8A8Linear
 from leanlm.compress.quant.llm_int8 import LLMInt8
-from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, int_matmul_reference, quantize, sqnr_db
 from leanlm.compress.registry import apply
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import Int8OutlierLinear, W8A8Linear
+from leanlm.lowbit.primitives import QuantSpec, compute_qparams, int_matmul_reference, quantize, sqnr_db
+from leanlm.lowbit.record import RECORD
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
 
@@ -97,7 +98,7 @@ def test_save_load_gives_identical_logits(tmp_path, arch):
     out = tmp_path / "q"
     out.mkdir()
     qformat.save(model, records, config, tmp_path / "src", out)
-    assert json.loads((out / qformat.RECORD).read_text())["recipe"][0]["method"] == "llm_int8"
+    assert json.loads((out / RECORD).read_text())["recipe"][0]["method"] == "llm_int8"
     again = load_model(out, torch.bfloat16)
     assert all(m.threshold == 2.5 for m in again.modules() if isinstance(m, Int8OutlierLinear))
     tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))

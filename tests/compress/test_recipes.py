@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.linear import W8A8Linear, W8A16Linear
 from leanlm.compress.registry import apply, make_config, read_recipe
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W8A8Linear, W8A16Linear
+from leanlm.lowbit.record import RECORD
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
 from tests.test_cli import leanlm
@@ -48,7 +49,7 @@ def test_quantized_lm_head_saves_and_loads(tmp_path, arch):
     tokens = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
     assert torch.equal(model(tokens, torch.arange(9)[None]), again(tokens, torch.arange(9)[None]))
     assert again.embed_tokens.weight.dtype == torch.bfloat16  # the embedding keeps its own 16-bit table
-    recipe = json.loads((tmp_path / "q" / qformat.RECORD).read_text())["recipe"]
+    recipe = json.loads((tmp_path / "q" / RECORD).read_text())["recipe"]
     assert [step["method"] for step in recipe] == ["rtn", "lm_head"]
     with pytest.raises(LeanLMError, match="already quantized"):
         apply(again, configs[1])

@@ -7,6 +7,7 @@ from leanlm.compress.quant import format as qformat
 from leanlm.compress.quant.rtn import FP8, RTN
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.record import RECORD, VERSION
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
 from tests.test_cli import leanlm
@@ -107,8 +108,8 @@ def _save_and_reload(tmp_path, model, records, config):
 
 
 def test_static_w8a8_round_trips_its_act_scale(tmp_path):
-    from leanlm.compress.quant.linear import W8A8Linear
-    from leanlm.compress.registry import replace
+    from leanlm.lowbit.linear import W8A8Linear
+    from leanlm.lowbit.record import replace
 
     make_hf_model("llama", tmp_path / "src")
     model = load_model(tmp_path / "src", torch.bfloat16)
@@ -133,9 +134,9 @@ def test_bad_records_raise(tmp_path, layer_record, message):
     make_hf_model("llama", tmp_path / "src")
     model = load_model(tmp_path / "src", torch.bfloat16)
     out, _ = _save_and_reload(tmp_path, model, apply(model, RTN(8)), RTN(8))
-    record = json.loads((out / qformat.RECORD).read_text())
+    record = json.loads((out / RECORD).read_text())
     record["layers"]["layers.0.mlp.down_proj"] = layer_record
-    (out / qformat.RECORD).write_text(json.dumps(record))
+    (out / RECORD).write_text(json.dumps(record))
     with pytest.raises(LeanLMError, match=message):
         load_model(out, torch.bfloat16)
 
@@ -146,9 +147,9 @@ def test_other_format_version_raises(tmp_path):
     make_hf_model("llama", tmp_path / "src")
     model = load_model(tmp_path / "src", torch.bfloat16)
     out, _ = _save_and_reload(tmp_path, model, apply(model, RTN(8)), RTN(8))
-    record = json.loads((out / qformat.RECORD).read_text())
-    assert record["version"] == qformat.VERSION
-    (out / qformat.RECORD).write_text(json.dumps(record | {"version": qformat.VERSION + 1}))
+    record = json.loads((out / RECORD).read_text())
+    assert record["version"] == VERSION
+    (out / RECORD).write_text(json.dumps(record | {"version": VERSION + 1}))
     with pytest.raises(LeanLMError, match="quantize the model again"):
         load_model(out, torch.bfloat16)
 
@@ -164,7 +165,7 @@ def test_4_bit_methods_default_to_an_int8_lm_head():
 
 
 def test_per_layer_bits_last_matching_pattern_wins(tmp_path):
-    from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
+    from leanlm.lowbit.linear import W4A16Linear, W8A16Linear
     from leanlm.models.layers import Linear
 
     make_hf_model("llama", tmp_path / "src")
@@ -186,7 +187,7 @@ def test_per_layer_bits_last_matching_pattern_wins(tmp_path):
 
 def test_mixed_gptq_through_a_recipe(tiny_dir, tmp_path):
     """rtn leaves all but the named projections in float (16); gptq then takes the rest."""
-    from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
+    from leanlm.lowbit.linear import W4A16Linear, W8A16Linear
 
     recipe = tmp_path / "mixed.yaml"
     recipe.write_text("- method: rtn\n  bits: 8\n  layers:\n    '*': 16\n    layers.*.mlp.down_proj: 8\n"

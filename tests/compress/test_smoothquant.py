@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.linear import W8A8Linear
-from leanlm.compress.quant.primitives import sqnr_db
 from leanlm.compress.quant.smoothquant import (ALPHAS, SmoothQuant, SmoothStats, fold, search_alpha, smooth,
-                                              smoothing_scale)
+                                               smoothing_scale)
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W8A8Linear
+from leanlm.lowbit.primitives import sqnr_db
+from leanlm.lowbit.record import RECORD
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model
 
@@ -125,7 +126,7 @@ def test_smoothquant_save_load_gives_identical_logits(tmp_path, arch):
     out = tmp_path / "q"
     out.mkdir()
     qformat.save(model, records, config, tmp_path / "src", out)
-    assert json.loads((out / qformat.RECORD).read_text())["recipe"] == [{"method": "smoothquant", "alpha": 0.6,
+    assert json.loads((out / RECORD).read_text())["recipe"] == [{"method": "smoothquant", "alpha": 0.6,
                                                                       "smooth_down": True}]
     again = load_model(out, torch.bfloat16)
     logits = model(TOKENS, POSITIONS)

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
 from leanlm.compress.registry import apply, decoder_linears, read_recipe
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W4A16Linear, W8A16Linear
+from leanlm.lowbit.record import RECORD
 from leanlm.models.layers import Linear
 from leanlm.models.loading import load_model
 from leanlm.optimize.sensitivity import (Prune, Quantize, Sensitivity, assign_bits, assignment_bytes, layer_sensitivity,
@@ -147,7 +148,7 @@ def test_mixed_config_applies_per_layer_bits_and_survives_save_and_load(tiny_mod
     out = tmp_path / "q"
     out.mkdir()
     qformat.save(model, records, config, src, out)
-    assert json.loads((out / qformat.RECORD).read_text())["recipe"][0]["layers"] == config.layers
+    assert json.loads((out / RECORD).read_text())["recipe"][0]["layers"] == config.layers
     again = load_model(out, torch.bfloat16)
     check(again)
     tokens, positions = IDS[None, :20], torch.arange(20)[None]

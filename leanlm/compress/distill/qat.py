@@ -12,10 +12,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, quantize
 from leanlm.compress.quant.rtn import RTN, group_for, quantize_decoder
-from leanlm.compress.registry import decoder_linears, replace
+from leanlm.compress.registry import decoder_linears
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.primitives import QuantSpec, compute_qparams, dequantize, quantize
+from leanlm.lowbit.record import replace
 from leanlm.models.layers import Linear
 
 TOKEN_INT8 = QuantSpec(8, symmetric=True, granularity="token")  # W8A8's dynamic per-token activations

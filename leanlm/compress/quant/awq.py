@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from leanlm.compress.calibrate import calibrate
-from leanlm.compress.quant.linear import W4A16Linear
-from leanlm.compress.quant.primitives import QuantSpec, fake_quantize
 from leanlm.compress.quant.rtn import Int4Options, group_for
-from leanlm.compress.registry import register, replace as replace_module
+from leanlm.compress.registry import register
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W4A16Linear
+from leanlm.lowbit.primitives import QuantSpec, fake_quantize
+from leanlm.lowbit.record import replace as replace_module
 
 CLIP_GRID, MAX_SHRINK = 20, 0.5  # clip ratios 1.0, 0.95, ..., 0.55, as the reference
 FOLDABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

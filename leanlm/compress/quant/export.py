@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from leanlm.compress.quant.format import copy_model_files
-from leanlm.compress.quant.linear import SCHEMES, FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, unpack_int4
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import SCHEMES, FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, unpack_int4
 from leanlm.models.loading import to_hf_names
 
 FORMATS = {W4A16Linear: "pack-quantized", W8A16Linear: "pack-quantized", W8A8Linear: "int-quantized",

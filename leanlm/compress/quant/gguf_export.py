@@ -27,8 +27,8 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, LlamaFileType, TokenType
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from leanlm.compress.quant.linear import SCHEMES, W4A16Linear, W8A16Linear, W8A16Sparse24Linear, unpack_int4
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import SCHEMES, W4A16Linear, W8A16Linear, W8A16Sparse24Linear, unpack_int4
 from leanlm.models.gguf import gguf_name, permute_rotary
 from leanlm.models.loading import to_hf_names
 

@@ -11,12 +11,13 @@ from typing import ClassVar
 import torch
 
 from leanlm.compress.calibrate import calibrate
-from leanlm.compress.quant.linear import W4A16Linear
-from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, quantize, search_qparams
 from leanlm.compress.quant.rtn import Int4Options, group_for
-from leanlm.compress.registry import register, replace as replace_module
+from leanlm.compress.registry import register
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W4A16Linear
+from leanlm.lowbit.primitives import QuantSpec, compute_qparams, dequantize, quantize, search_qparams
+from leanlm.lowbit.record import replace as replace_module
 
 
 def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:

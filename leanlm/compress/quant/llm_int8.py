@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from leanlm.compress.quant.linear import Int8OutlierLinear
 from leanlm.compress.quant.rtn import quantize_decoder
 from leanlm.compress.registry import register
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import Int8OutlierLinear
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import ClassVar
 
-from leanlm.compress.quant.linear import SCHEMES, W4A16Linear
-from leanlm.compress.registry import decoder_linears, register, replace
+from leanlm.compress.registry import decoder_linears, register
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import SCHEMES, W4A16Linear
+from leanlm.lowbit.record import replace
 from leanlm.models.layers import Linear
 
 __all__ = ["SCHEMES", "RTN", "KEEP_FLOAT", "FP8", "group_for", "quantize_layer", "quantize_decoder"]

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from leanlm.compress.calibrate import calibrate
-from leanlm.compress.quant.primitives import QuantSpec, fake_quantize
 from leanlm.compress.quant.rtn import quantize_decoder
 from leanlm.compress.registry import register
 from leanlm.compress.stats import AbsMax
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.primitives import QuantSpec, fake_quantize
 
 MIN_SCALE = 1e-5  # as the reference implementation: no zero or denormal scales from dead channels
 ALPHAS = tuple(i / 10 for i in range(1, 10))  # 0.1, 0.2, ..., 0.9: the per-projection search's candidates

@@ -128,19 +128,6 @@ def layer_record(W: torch.Tensor, pattern: tuple[int, int] | None) -> dict:
     return {"sparsity": round(sparsity_of(W), 6), "pattern": "unstructured" if pattern is None else "%d:%d" % pattern}
 
 
-PRUNING_KEYS = ("sparsity", "pattern")  # what a pruned layer's record adds to its scheme's options
-
-
-def note_pruning(model, records: dict[str, dict]) -> None:
-    """Keep on each quantized projection what pruning did to it before (its record's sparsity and pattern, as
-    `module.pruning`), which module_sparsity reads: its codes cannot say (see zero_mask)."""
-    modules = dict(model.named_modules())
-    for name, record in records.items():
-        module = modules.get(name)
-        if hasattr(module, "BITS") and "sparsity" in record:
-            module.pruning = {k: record[k] for k in PRUNING_KEYS if k in record}
-
-
 def zero_mask(module) -> torch.Tensor | None:
     """Where a projection's weights are exactly 0 as stored: a float weight's zeros, a compact 2:4 layer's zero
     codes; None for the other quantized layers, whose codes cannot tell a pruned weight from a small one rounded
@@ -166,7 +153,7 @@ def _zeros(module) -> tuple[float, int, dict[int, int]]:
 
 def module_sparsity(module) -> float:
     """Fraction of a projection's weights that pruning set to 0: a float or compact 2:4 layer's zeros, a quantized
-    layer's pruning record (note_pruning; 0 without one)."""
+    layer's pruning record (lowbit.record.note_pruning; 0 without one)."""
     zeros, numel, _ = _zeros(module)
     return zeros / numel
 

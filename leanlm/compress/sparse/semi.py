@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from leanlm.compress.registry import decoder_linears
-from leanlm.compress.sparse.format import is_24
+from leanlm.lowbit.sparse24 import is_24
 
 
 def semi_structured(model) -> list[str]:

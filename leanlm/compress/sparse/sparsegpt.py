@@ -15,14 +15,15 @@ import torch
 
 from leanlm.compress.calibrate import calibrate
 from leanlm.compress.quant.gptq import _inverse_cholesky, solver_inputs
-from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear
-from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, quantize
 from leanlm.compress.quant.rtn import check_int4_group, group_for
-from leanlm.compress.registry import register, replace as replace_module
+from leanlm.compress.registry import register
 from leanlm.compress.sparse.magnitude import SparsityOptions
 from leanlm.compress.sparse.masks import check_pattern_fits, check_sparsity, layer_record, nm_mask, prune_lowest
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W4A16Linear, W8A16Linear
+from leanlm.lowbit.primitives import QuantSpec, compute_qparams, dequantize, quantize
+from leanlm.lowbit.record import replace as replace_module
 
 
 class SparseGPTResult(NamedTuple):

@@ -57,15 +57,15 @@ def test_a_student_cut_from_the_teacher_trains_saves_and_resumes(tiny_dir, tmp_p
 def test_qat_saves_a_quantized_model_that_keeps_its_pruning(tiny_dir, tmp_path):
     import json
 
-    from leanlm.compress.quant import format as qformat
     from leanlm.compress.sparse.masks import decoder_sparsity
+    from leanlm.lowbit.record import RECORD, is_quantized
 
     pruned, out = _pruned(tiny_dir, tmp_path / "pruned"), tmp_path / "qat"
     r = leanlm("distill", "--teacher", tiny_dir, "--student", pruned, "--qat", "w4g32", "--data", _text(tmp_path),
                "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "128", "--steps", "2", "-o", out)
     assert r.returncode == 0, r.stderr
-    assert qformat.is_quantized(out)
-    record = json.loads((out / qformat.RECORD).read_text())
+    assert is_quantized(out)
+    record = json.loads((out / RECORD).read_text())
     assert [step["method"] for step in record["recipe"]] == ["qat"]  # _pruned saved an empty recipe
     assert all(rec["scheme"] == "w4a16" and rec["sparsity"] == 0.5 for name, rec in record["layers"].items()
                if name.startswith("layers."))

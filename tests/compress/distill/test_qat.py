@@ -9,9 +9,9 @@ import torch
 from leanlm.compress.distill.qat import QAT, FakeQuantLinear, export, prepare, straight_through
 from leanlm.compress.distill.trainer import DistillConfig, Trainer
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.primitives import QuantSpec
 from leanlm.compress.registry import decoder_linears
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.primitives import QuantSpec
 from leanlm.models.loading import load_model
 from tests.compress.distill.test_trainer import IDS
 from tests.conftest import make_hf_model
@@ -37,7 +37,7 @@ def test_a_fake_quantized_projection_computes_what_its_export_computes(model_dir
         assert exported.SCHEME == config.scheme
         torch.testing.assert_close(exported._reference(x.bfloat16()).float(), y, rtol=0.02, atol=0.02)
     if scheme == "w8":  # the same grid, the bf16 scale included: the weights agree exactly
-        from leanlm.compress.quant.linear import W8A16Linear
+        from leanlm.lowbit.linear import W8A16Linear
 
         layer = FakeQuantLinear(torch.nn.Linear(64, 32), config)
         w = straight_through(layer.weight, layer.spec, layer.scale_dtype)

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from leanlm.compress.sparse.masks import (check_pattern_fits, check_sparsity, decoder_sparsity, global_masks,
-                                          layer_mask, module_sparsity, nm_mask, note_pruning, owl_sparsities,
-                                          parse_pattern, pattern_sparsity, row_mask)
+                                          layer_mask, module_sparsity, nm_mask, owl_sparsities, parse_pattern,
+                                          pattern_sparsity, row_mask)
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.record import note_pruning
 
 
 def _scores(*shape, seed=0):

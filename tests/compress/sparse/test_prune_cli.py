@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear, W8A16Sparse24Linear
 from leanlm.compress.registry import decoder_linears
 from leanlm.compress.sparse.masks import module_sparsity
-from leanlm.compress.sparse.save import RECORD
+from leanlm.compress.sparse.save import RECORD as PRUNING_RECORD
+from leanlm.lowbit.linear import W4A16Linear, W8A16Linear, W8A16Sparse24Linear
+from leanlm.lowbit.record import RECORD as QUANT_RECORD
 from leanlm.models.loading import load_model
 from tests.test_cli import leanlm
 
@@ -37,7 +37,7 @@ def test_sparsegpt_2_4_loads_runs_and_shows_its_sparsity(tiny_dir, text, tmp_pat
     model = load_model(out, torch.float32)
     for _, linear in decoder_linears(model):
         assert ((linear.weight == 0).reshape(linear.out_features, -1, 4).sum(-1) >= 2).all()
-    record = json.loads((out / RECORD).read_text())
+    record = json.loads((out / PRUNING_RECORD).read_text())
     assert record["recipe"][0]["method"] == "sparsegpt" and record["recipe"][0]["pattern"] == "2:4"
     assert {r["pattern"] for r in record["layers"].values()} == {"2:4"}
     r = leanlm("info", out, "--dtype", "float32")
@@ -63,7 +63,7 @@ def test_recipe_sparsegpt_then_gptq_keeps_the_mask(tiny_dir, text, tmp_path):
     r = _prune(tiny_dir, text, out, "--recipe", recipe)
     assert r.returncode == 0, r.stderr
     model = load_model(out, torch.bfloat16)
-    layers = json.loads((out / qformat.RECORD).read_text())["layers"]
+    layers = json.loads((out / QUANT_RECORD).read_text())["layers"]
     for name, rec in layers.items():
         module = model.get_submodule(name)
         assert isinstance(module, W4A16Linear) and rec["scheme"] == "w4a16" and rec["pattern"] == "2:4"
@@ -84,7 +84,7 @@ def test_prune_then_quantize_is_the_recipe_in_one_run(tiny_dir, text, tmp_path):
     r = leanlm("quantize", tmp_path / "pruned", "--method", "gptq", "--bits", "4", "--group-size", "32", "--data", text,
                "--samples", "4", "--seq-len", "16", "--lm-head", "16", "-o", two)  # the recipe keeps a 16-bit head
     assert r.returncode == 0 and "8 layers quantized" in r.stdout, r.stderr
-    one_record, two_record = (json.loads((tmp_path / d / qformat.RECORD).read_text()) for d in ("one", "two"))
+    one_record, two_record = (json.loads((tmp_path / d / QUANT_RECORD).read_text()) for d in ("one", "two"))
     assert [s["method"] for s in two_record["recipe"]] == ["sparsegpt", "gptq"]
     assert two_record["recipe"] == one_record["recipe"] and two_record["layers"] == one_record["layers"]
     assert {(r["scheme"], r["pattern"]) for r in two_record["layers"].values()} == {("w4a16", "2:4")}
@@ -113,7 +113,7 @@ def test_sparsegpt_2_4_int8_is_stored_compactly(tiny_dir, text, tmp_path):
     runs = {flag: _prune(tiny_dir, text, tmp_path / flag, *args, f"--{flag}") for flag in ("compact", "no-compact")}
     assert all(r.returncode == 0 for r in runs.values()), [r.stderr for r in runs.values()]
     compact, dense = (load_model(tmp_path / flag, torch.bfloat16) for flag in runs)
-    layers = json.loads((tmp_path / "compact" / qformat.RECORD).read_text())["layers"]
+    layers = json.loads((tmp_path / "compact" / QUANT_RECORD).read_text())["layers"]
     for name, rec in layers.items():
         module = compact.get_submodule(name)
         assert isinstance(module, W8A16Sparse24Linear) and rec["scheme"] == "w8a16_2:4" and rec["pattern"] == "2:4"
@@ -136,7 +136,7 @@ def test_prune_then_quantize_w8_stores_2_4_as_the_recipe_does(tiny_dir, text, tm
     quantize = ("quantize", tmp_path / "pruned", "--method", "rtn", "--bits", "8")
     r = leanlm(*quantize, "--compact", "-o", tmp_path / "two")
     assert r.returncode == 0 and "8 of them stored 2:4-compact" in r.stdout, r.stderr
-    one, two = (json.loads((tmp_path / d / qformat.RECORD).read_text()) for d in ("one", "two"))
+    one, two = (json.loads((tmp_path / d / QUANT_RECORD).read_text()) for d in ("one", "two"))
     assert two["recipe"] == one["recipe"] and two["layers"] == one["layers"]
     assert {r["scheme"] for r in two["layers"].values()} == {"w8a16_2:4"}
     a, b = load_model(tmp_path / "one", torch.bfloat16), load_model(tmp_path / "two", torch.bfloat16)

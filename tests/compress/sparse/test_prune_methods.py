@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.linear import W4A16Linear, W8A16Linear, unpack_int4
 from leanlm.compress.registry import apply, decoder_linears, make_config
 from leanlm.compress.sparse.save import RECORD, save_float
 from leanlm.compress.sparse.taylor import taylor_saliency
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W4A16Linear, W8A16Linear, unpack_int4
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model, make_tokenizer
 

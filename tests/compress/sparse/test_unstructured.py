@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from leanlm.compress.quant.gptq import gptq_quantize
-from leanlm.compress.quant.primitives import QuantSpec, dequantize, fake_quantize, quantize
 from leanlm.compress.sparse.magnitude import magnitude_prune
 from leanlm.compress.sparse.masks import apply_mask, row_mask
 from leanlm.compress.sparse.sparsegpt import sparsegpt_prune
 from leanlm.compress.sparse.wanda import wanda_prune
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.primitives import QuantSpec, dequantize, fake_quantize, quantize
 
 N, K, M = 64, 128, 512
 

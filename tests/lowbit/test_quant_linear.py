@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from leanlm import kernels
-from leanlm.compress.quant import linear as linear_module
-from leanlm.compress.quant.linear import (SCHEMES, FP8Linear, Int8OutlierLinear, W4A16Linear, W8A8Linear,
-                                         W8A16Linear, pack_int4, unpack_int4)
-from leanlm.compress.quant.primitives import int_matmul_reference, sqnr_db
 from leanlm.errors import LeanLMError
+from leanlm.lowbit import linear as linear_module
+from leanlm.lowbit.linear import (SCHEMES, FP8Linear, Int8OutlierLinear, W4A16Linear, W8A8Linear, W8A16Linear,
+                                  pack_int4, unpack_int4)
+from leanlm.lowbit.primitives import int_matmul_reference, sqnr_db
 
 MODULES = {
     "w8a16": (W8A16Linear, {}), "w4a16_g32": (W4A16Linear, dict(group_size=32)),

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm import kernels
-from leanlm.compress.quant.primitives import QuantSpec, compute_qparams, dequantize, int_matmul_reference, quantize
-from leanlm.compress.sparse.format import pack_24, unpack_24
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.primitives import QuantSpec, compute_qparams, int_matmul_reference, quantize
+from leanlm.lowbit.sparse24 import pack_24, unpack_24
 from leanlm.runtime import CPU_INT8_GEMM, matmul_dtype
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -369,7 +369,7 @@ class Int8OutlierLinear(W8A8Linear):
 
 
 class W8A16Sparse24Linear(_QuantLinearBase):
-    """W8A16Linear's int8 codes and bf16 row scales, 2:4-sparse and stored compactly (compress/sparse/format.py:
+    """W8A16Linear's int8 codes and bf16 row scales, 2:4-sparse and stored compactly (lowbit/sparse24.py:
     the 2 kept codes of every 4 inputs and a 4-bit position mask, 5 bits a weight): decode runs the int8_24_gemv
     kernel (kernels/sparse.cpp), which reads 0.625x the dense kernel's bytes and gives its results exactly;
     prefill unpacks the codes for one bf16 GEMM.  https://arxiv.org/abs/2104.08378 (2:4 sparsity)"""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanlm.compress.quant.primitives import (QuantSpec, compute_qparams, dequantize, fake_quantize, int8_matmul,
-                                              int_matmul_reference, quantize, sqnr_db)
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.primitives import (QuantSpec, compute_qparams, dequantize, fake_quantize, int8_matmul,
+                                      int_matmul_reference, quantize, sqnr_db)
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_int_matmul_equals_float_matmul_of_dequantized(sym_x, sym_w, M):
 
 
 def test_int8_matmul_padded_path_is_exact(monkeypatch):
-    from leanlm.compress.quant import primitives
+    from leanlm.lowbit import primitives
     a = torch.randint(-128, 128, (3, 13), dtype=torch.int8)
     b = torch.randint(-128, 128, (5, 13), dtype=torch.int8)
     monkeypatch.setattr(primitives, "_int_mm_fits", lambda *args: False)  # force the CUDA-rules fallback
@@ -131,7 +131,7 @@ def test_group_size_must_divide_k():
 @pytest.mark.parametrize("spec", [QuantSpec(4, False, "group", 32), QuantSpec(4, True, "channel"),
                                   QuantSpec(3, False, "tensor"), QuantSpec(8, True, "channel")])
 def test_searched_grid_is_never_worse_per_block_and_better_overall(spec):
-    from leanlm.compress.quant.primitives import _blocks, search_qparams
+    from leanlm.lowbit.primitives import _blocks, search_qparams
 
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
 

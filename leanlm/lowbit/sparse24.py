@@ -64,16 +64,3 @@ def unpack_24(values: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     q = torch.zeros(N, K // 4, 4, dtype=torch.int8, device=values.device)
     return q.scatter_(-1, pos, values.reshape(N, K // 4, 2)).reshape(N, K)
 
-
-def compact_24(model, records: dict[str, dict]) -> list[str]:
-    """Swap every W8A16Linear whose codes are 2:4 sparse for a W8A16Sparse24Linear holding the same codes, and
-    note the new scheme in its record (quantization.json); return the names of the layers swapped."""
-    from leanlm.compress.quant.linear import W8A16Linear, W8A16Sparse24Linear  # it imports this module
-    from leanlm.compress.registry import replace
-
-    swapped = [name for name, m in model.named_modules() if type(m) is W8A16Linear and is_24(m.weight)]
-    for name in swapped:
-        new = W8A16Sparse24Linear.from_w8(model.get_submodule(name), name)
-        replace(model, name, new)
-        records[name] = {**records.get(name, {}), **new.record()}
-    return swapped

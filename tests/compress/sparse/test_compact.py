@@ -10,12 +10,14 @@ import torch
 from torch import nn
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.linear import W8A16Linear, W8A16Sparse24Linear
 from leanlm.compress.quant.rtn import RTN
-from leanlm.compress.registry import decoder_linears, replace
-from leanlm.compress.sparse.format import compact_24, is_24, pack_24, unpack_24
+from leanlm.compress.registry import decoder_linears
+from leanlm.compress.sparse.compact import compact_24
 from leanlm.compress.sparse.masks import layer_record, module_sparsity, nm_mask
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W8A16Linear, W8A16Sparse24Linear
+from leanlm.lowbit.record import RECORD, replace
+from leanlm.lowbit.sparse24 import is_24, pack_24, unpack_24
 from leanlm.models.loading import load_model
 
 
@@ -104,7 +106,7 @@ def test_saved_model_loads_back_equal(tiny_dir, tmp_path):
     out = tmp_path / "compact"
     out.mkdir()
     qformat.save(model, records, RTN(bits=8), tiny_dir, out)
-    assert json.loads((out / qformat.RECORD).read_text())["layers"] == records
+    assert json.loads((out / RECORD).read_text())["layers"] == records
     loaded = load_model(out, torch.float32)
     for name in swapped:
         module = loaded.get_submodule(name)

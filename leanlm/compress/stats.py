@@ -26,7 +26,7 @@ class _InputStats:
         self.rows += x.shape[0]
         return x
 
-    def _check_seen(self) -> None:
+    def check_seen(self) -> None:
         if self.rows == 0:
             raise LeanLMError(f"{type(self).__name__} has seen no rows; call add_batch() with calibration inputs first")
 
@@ -47,7 +47,7 @@ class Hessian(_InputStats):
     @property
     def value(self) -> torch.Tensor:
         """2 X^T X / rows as float32  # [K, K]"""
-        self._check_seen()
+        self.check_seen()
         return (self._xtx * (2.0 / self.rows)).float()
 
 
@@ -67,7 +67,7 @@ class ChannelNorm(_InputStats):
     @property
     def value(self) -> torch.Tensor:
         """sqrt(sum_rows x_j^2) as float32  # [K]"""
-        self._check_seen()
+        self.check_seen()
         return self._sumsq.sqrt().float()
 
 
@@ -88,5 +88,5 @@ class AbsMax(_InputStats):
     @property
     def value(self) -> torch.Tensor:
         """max_rows |x_j| as float32  # [K]"""
-        self._check_seen()
+        self.check_seen()
         return self._amax.float()

@@ -44,7 +44,7 @@ class AWQStats(Hessian):
     @property
     def x_mean(self) -> torch.Tensor:
         """mean_rows |x_j| as float32  # [K]"""
-        self._check_seen()
+        self.check_seen()
         return (self._abs_sum / self.rows).float()
 
 

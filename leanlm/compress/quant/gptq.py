@@ -1,45 +1,25 @@
 """GPTQ as pure math: quantize a weight [N, K] column by column onto a QuantSpec grid, feeding each column's
 rounding error into the not-yet-quantized columns through the inverse layer Hessian.
 
-Paper: https://arxiv.org/abs/2210.17323 (Frantar et al., Algorithm 1: Cholesky form, lazy block updates)."""
+Paper: https://arxiv.org/abs/2210.17323 (Frantar et al., Algorithm 1: Cholesky form, lazy block updates). The
+column loop, the damped inverse Cholesky factor and the column-by-column grid are SparseGPT's too
+(leanlm/compress/obs.py): this file only chooses the column order and when each group's grid is fitted."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from leanlm.compress.calibrate import calibrate
+from leanlm.compress.obs import ColumnGrid, Pending, check_solver_args, inverse_cholesky, obs_update, solver_inputs
 from leanlm.compress.quant.rtn import Int4Options, group_for
 from leanlm.compress.registry import register
 from leanlm.compress.stats import Hessian
-from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import W4A16Linear
-from leanlm.lowbit.primitives import QuantSpec, compute_qparams, dequantize, quantize, search_qparams
+from leanlm.lowbit.primitives import QuantSpec, compute_qparams, search_qparams
 from leanlm.lowbit.record import replace as replace_module
-
-
-def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
-    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U), computed in float64  # [K, K] -> [K, K] float32"""
-    L, info = torch.linalg.cholesky_ex(H)
-    if info.item() == 0:
-        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-    if info.item() != 0 or not torch.isfinite(U).all():
-        raise LeanLMError("GPTQ: the calibration Hessian is not positive definite even after dampening; "
-                          "use a larger damp (e.g. 0.05 or 0.1) or more calibration data")
-    return U.float()
-
-
-def solver_inputs(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies an OBS-style column solver (GPTQ, SparseGPT) may edit: W float32 [N, K], H float64 [K, K]. An input
-    that was always zero carries no information: its weights are dropped and H made invertible there."""
-    W = W.detach().float().clone()
-    H = H.detach().to(device=W.device, dtype=torch.float64).clone()
-    dead = H.diagonal() == 0
-    H.diagonal()[dead] = 1.0
-    W[:, dead] = 0.0
-    return W, H
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size: int = 128,
@@ -55,76 +35,30 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, block_size:
     column order (group g = original columns [g*gs, (g+1)*gs)), so the output is an ordinary group-quantized
     tensor with no column permutation to store.
     search_grid: each grid's range is shrunk where that lowers its own rounding error (`search_qparams`)."""
-    if W.dim() != 2 or H.shape != (W.shape[1], W.shape[1]):
-        raise LeanLMError(f"gptq_quantize needs W [N, K] and H [K, K]; got W {tuple(W.shape)}, H {tuple(H.shape)}")
-    if spec.granularity == "token":
-        raise LeanLMError("granularity='token' is for activations; quantize weights per 'channel', 'group' "
-                          "or 'tensor'")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise LeanLMError(f"block_size={block_size!r} is invalid; use a positive integer such as 128")
-    if damp < 0:
-        raise LeanLMError(f"damp={damp!r} is negative; use a small non-negative ratio such as 0.01")
-    spec.check(W)
-    N, K = W.shape
+    check_solver_args("gptq_quantize", W, H, block_size, damp)
     # Weights that are exactly 0 were pruned (SparseGPT, Wanda, ...): they stay 0 (a grid point of every spec),
     # and what the error updates pile onto them is passed on to later columns like any rounding error.
     pruned = W.detach() == 0
     W, H = solver_inputs(W, H)
-    diag = H.diagonal()
+    grid = ColumnGrid(W, spec, search_qparams if search_grid else compute_qparams)
 
-    col_spec = replace(spec, granularity="channel", group_size=None)  # quantize one column [N, 1] at a time
-    qparams = search_qparams if search_grid else compute_qparams
-    grouped = spec.granularity == "group"
-    if grouped:
-        gs = spec.group_size
-        scale = torch.zeros(N, K // gs, dtype=torch.float32, device=W.device)
-        zero = torch.zeros(N, K // gs, dtype=torch.int32, device=W.device)
-        have_group = torch.zeros(K // gs, dtype=torch.bool)
-    else:
-        scale, zero = qparams(W, spec)
-        col_scale, col_zero = scale.expand(N, 1), zero.expand(N, 1)
-
-    perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(K, device=W.device)
+    K = W.shape[1]
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(K, device=W.device)
     W, H, pruned = W[:, perm], H[perm][:, perm], pruned[:, perm]
-    perm_cpu = perm.tolist()
+    perm_cpu = perm.tolist()  # perm_cpu[processing index] = original column
     pos = torch.empty_like(perm)
     pos[perm] = torch.arange(K, device=W.device)  # pos[original column] = processing index
 
-    H.diagonal().add_(damp * H.diagonal().mean())
-    U = _inverse_cholesky(H)
+    def column(j: int, w: torch.Tensor, pending: Pending) -> torch.Tensor:
+        k = perm_cpu[j]
+        if grid.needs_fit(k):
+            g, gs = k // grid.group_size, grid.group_size
+            cols = pos[g * gs:(g + 1) * gs]  # processing indices of the group's columns, all >= j
+            grid.fit(k, pending(cols).masked_fill_(pruned[:, cols], 0.0))  # the grid is for the weights it keeps
+        return grid.round(w, k).masked_fill_(pruned[:, j:j + 1], 0.0)
 
-    for i1 in range(0, K, block_size):
-        i2 = min(i1 + block_size, K)
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            if grouped:
-                g = perm_cpu[i1 + i] // gs
-                if not have_group[g]:
-                    cols = pos[g * gs:(g + 1) * gs]  # processing indices of the group's columns, all >= i1 + i
-                    cur = W[:, cols].clone()
-                    inside = cols < i2
-                    cur[:, inside] = W1[:, cols[inside] - i1]
-                    # Columns after this block have not had this block's lazy update yet: apply it here.
-                    cur[:, ~inside] -= Err1[:, :i] @ U[i1:i1 + i, cols[~inside]]
-                    cur.masked_fill_(pruned[:, cols], 0.0)  # the grid is for the weights it keeps
-                    s, z = qparams(cur, col_spec)
-                    scale[:, g:g + 1], zero[:, g:g + 1] = s, z
-                    have_group[g] = True
-                col_scale, col_zero = scale[:, g:g + 1], zero[:, g:g + 1]
-            w = W1[:, i:i + 1]  # [N, 1]
-            q = dequantize(quantize(w, col_scale, col_zero, col_spec), col_scale, col_zero, col_spec)
-            q.masked_fill_(pruned[:, i1 + i:i1 + i + 1], 0.0)
-            err = (w - q) / U1[i, i]  # [N, 1]
-            W1[:, i:] -= err * U1[i:i + 1, i:]
-            Q1[:, i:i + 1] = q
-            Err1[:, i:i + 1] = err
-        W[:, i1:i2] = Q1
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
-
-    return W[:, pos], scale, zero
+    W = obs_update(W, inverse_cholesky(H, damp), block_size, column)
+    return W[:, pos], grid.scale, grid.zero
 
 
 @dataclass(frozen=True)

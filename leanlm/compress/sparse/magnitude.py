@@ -9,38 +9,11 @@ from typing import ClassVar
 import torch
 
 from leanlm.compress.registry import decoder_linears, register
-from leanlm.compress.sparse.masks import (apply_mask, check_pattern_fits, global_masks, layer_mask, layer_record,
-                                          mask_for, parse_pattern, pattern_sparsity)
+from leanlm.compress.sparse.masks import apply_mask, global_masks, layer_mask, layer_record, mask_for
+from leanlm.compress.sparse.options import SparsityOptions
 from leanlm.errors import LeanLMError
 
 SCOPES = ("row", "layer", "global")
-
-
-@dataclass(frozen=True)
-class SparsityOptions:
-    """Options every unstructured method takes: the fraction pruned (default 0.5) or an N:M pattern ('2:4')
-    that fixes it to (M - N) / M."""
-
-    name: ClassVar[str] = ""
-    kind: ClassVar[str] = "prune"
-    sparsity: float | None = None
-    pattern: str | None = None
-
-    def __post_init__(self):
-        pattern_sparsity(self.pattern, self.sparsity)  # raises on a bad value or a disagreeing pair
-
-    @property
-    def target(self) -> float:
-        return pattern_sparsity(self.pattern, self.sparsity)
-
-    @property
-    def nm(self) -> tuple[int, int] | None:
-        return parse_pattern(self.pattern)
-
-    def check_fits(self, model) -> None:
-        """Fail before any work when the pattern's M does not divide some projection's in_features."""
-        for name, linear in decoder_linears(model):
-            check_pattern_fits(self.nm, linear.in_features, name)
 
 
 def magnitude_prune(W: torch.Tensor, sparsity: float, pattern: tuple[int, int] | None = None,

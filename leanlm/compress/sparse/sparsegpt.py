@@ -3,26 +3,26 @@ saliency w^2 / [H^-1]_qq^2 and spreading every pruned (or rounded) column's erro
 processed through the inverse-Hessian Cholesky factor; optionally quantizing the kept weights in the same pass.
 
 Paper: https://arxiv.org/abs/2301.00774 (Frantar & Alistarh, Algorithm 1: adaptive mask selection per block of
-Bs columns, N:M inside the loop, joint quantization). The Hessian, its damping and the inverse Cholesky factor are
-GPTQ's (leanlm/compress/quant/gptq.py): one solver shape for both."""
+Bs columns, N:M inside the loop, joint quantization). The column loop, the damped inverse Cholesky factor and the
+column-by-column grid are GPTQ's too (leanlm/compress/obs.py): this file only chooses the mask."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
 
 from leanlm.compress.calibrate import calibrate
-from leanlm.compress.quant.gptq import _inverse_cholesky, solver_inputs
+from leanlm.compress.obs import ColumnGrid, Pending, check_solver_args, inverse_cholesky, obs_update, solver_inputs
 from leanlm.compress.quant.rtn import check_int4_group, group_for
 from leanlm.compress.registry import register
-from leanlm.compress.sparse.magnitude import SparsityOptions
 from leanlm.compress.sparse.masks import check_pattern_fits, check_sparsity, layer_record, nm_mask, prune_lowest
+from leanlm.compress.sparse.options import SparsityOptions
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import W4A16Linear, W8A16Linear
-from leanlm.lowbit.primitives import QuantSpec, compute_qparams, dequantize, quantize
+from leanlm.lowbit.primitives import QuantSpec, quantize
 from leanlm.lowbit.record import replace as replace_module
 
 
@@ -42,71 +42,38 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, sparsity: float, pattern: 
     columns is chosen when the loop reaches them. quant_spec: kept weights are rounded onto its grid as they are
     processed (channel/tensor grids from the whole W up front, a group's grid when its first column comes up),
     and the rounding error is spread like the pruning error."""
-    if W.dim() != 2 or H.shape != (W.shape[1], W.shape[1]):
-        raise LeanLMError(f"sparsegpt needs W [N, K] and H [K, K]; got W {tuple(W.shape)}, H {tuple(H.shape)}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise LeanLMError(f"block_size={block_size!r} is invalid; use a positive integer such as 128")
-    if damp < 0:
-        raise LeanLMError(f"damp={damp!r} is negative; use a small non-negative ratio such as 0.01")
+    check_solver_args("sparsegpt", W, H, block_size, damp)
     check_sparsity(sparsity)
     N, K = W.shape
     check_pattern_fits(pattern, K)
     if pattern is not None and block_size % pattern[1]:
         raise LeanLMError(f"block_size={block_size} must be a multiple of the pattern's M={pattern[1]}")
-    grouped = quant_spec is not None and quant_spec.granularity == "group"
-    if quant_spec is not None:
-        if quant_spec.granularity == "token":
-            raise LeanLMError("granularity='token' is for activations; quantize weights per 'channel', 'group' "
-                              "or 'tensor'")
-        quant_spec.check(W)
-        if grouped and block_size % quant_spec.group_size:
-            raise LeanLMError(f"block_size={block_size} must be a multiple of group_size={quant_spec.group_size}")
     W, H = solver_inputs(W, H)
-    H.diagonal().add_(damp * H.diagonal().mean())
-    U = _inverse_cholesky(H)  # H^-1 = U^T U; row q of U is what removing column q does to the later columns
+    grid = None if quant_spec is None else ColumnGrid(W, quant_spec)
+    gs = None if grid is None else grid.group_size
+    if gs and block_size % gs:
+        raise LeanLMError(f"block_size={block_size} must be a multiple of group_size={gs}")
+    U = inverse_cholesky(H, damp)  # H^-1 = U^T U
+    d2 = U.diagonal().square()  # [H^-1]_qq for column q
+    pruned = torch.zeros(N, K, dtype=torch.bool, device=W.device)
 
-    scale = zero = col_scale = col_zero = None
-    if quant_spec is not None:
-        col_spec = replace(quant_spec, granularity="channel", group_size=None)  # one column [N, 1] at a time
-        if grouped:
-            scale = torch.zeros(N, K // quant_spec.group_size, device=W.device)
-            zero = torch.zeros(N, K // quant_spec.group_size, dtype=torch.int32, device=W.device)
-        else:
-            scale, zero = compute_qparams(W, quant_spec)
-            col_scale, col_zero = scale.expand(N, 1), zero.expand(N, 1)
+    def column(j: int, w: torch.Tensor, pending: Pending) -> torch.Tensor:
+        if pattern is None and j % block_size == 0:  # a block's mask, from its error-updated weights
+            i2 = min(j + block_size, K)
+            count = round(sparsity * i2) - round(sparsity * j)
+            pruned[:, j:i2] = prune_lowest(pending(range(j, i2)).square() / d2[j:i2], count)
+        if pattern is not None and j % pattern[1] == 0:
+            m = pattern[1]
+            pruned[:, j:j + m] = nm_mask(pending(range(j, j + m)).square() / d2[j:j + m], *pattern)
+        q = w.masked_fill(pruned[:, j:j + 1], 0.0)
+        if grid is None:
+            return q
+        if grid.needs_fit(j):  # j starts its group: fit its grid to the weights it keeps (known-pruned ones as 0)
+            grid.fit(j, pending(range(j, j + gs)).masked_fill_(pruned[:, j:j + gs], 0))
+        return grid.round(q, j)  # 0 is a grid point of every spec, so pruned weights stay exactly 0
 
-    for i1 in range(0, K, block_size):
-        i2 = min(i1 + block_size, K)
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        d2 = U1.diagonal().square()  # [H^-1]_qq for column q of the block
-        if pattern is None:
-            pruned = prune_lowest(W1.square() / d2, round(sparsity * i2) - round(sparsity * i1))
-        else:
-            pruned = torch.zeros_like(W1, dtype=torch.bool)
-        for i in range(i2 - i1):
-            if pattern is not None and i % pattern[1] == 0:
-                m = pattern[1]
-                pruned[:, i:i + m] = nm_mask(W1[:, i:i + m].square() / d2[i:i + m], *pattern)
-            if grouped and (i1 + i) % quant_spec.group_size == 0:
-                g, gs = (i1 + i) // quant_spec.group_size, quant_spec.group_size
-                # The group's grid fits the weights it will keep (those of its columns known to be pruned left out).
-                s, z = compute_qparams(W1[:, i:i + gs].masked_fill(pruned[:, i:i + gs], 0), col_spec)
-                scale[:, g:g + 1], zero[:, g:g + 1] = s, z
-                col_scale, col_zero = s, z
-            w = W1[:, i:i + 1]  # [N, 1]
-            q = w.masked_fill(pruned[:, i:i + 1], 0.0)
-            if quant_spec is not None:  # 0 is a grid point of every spec, so pruned weights stay exactly 0
-                q = dequantize(quantize(q, col_scale, col_zero, col_spec), col_scale, col_zero, col_spec)
-            err = (w - q) / U1[i, i]  # [N, 1]
-            W1[:, i:] -= err * U1[i:i + 1, i:]
-            Q1[:, i:i + 1] = q
-            Err1[:, i:i + 1] = err
-        W[:, i1:i2] = Q1
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # the block's errors reach the later columns in one product
-    return SparseGPTResult(W, scale, zero)
+    W = obs_update(W, U, block_size, column)
+    return SparseGPTResult(W, None if grid is None else grid.scale, None if grid is None else grid.zero)
 
 
 @dataclass(frozen=True)

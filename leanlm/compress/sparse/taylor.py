@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.compress.registry import decoder_linears, register
-from leanlm.compress.sparse.magnitude import SparsityOptions
 from leanlm.compress.sparse.masks import apply_mask, layer_record, mask_for
+from leanlm.compress.sparse.options import SparsityOptions
 from leanlm.errors import LeanLMError
 
 

@@ -12,8 +12,8 @@ import torch
 
 from leanlm.compress.calibrate import calibrate
 from leanlm.compress.registry import register
-from leanlm.compress.sparse.magnitude import SparsityOptions
 from leanlm.compress.sparse.masks import apply_mask, layer_record, mask_for, outlier_ratio, owl_sparsities
+from leanlm.compress.sparse.options import SparsityOptions
 from leanlm.compress.stats import ChannelNorm
 from leanlm.errors import LeanLMError
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from leanlm.api import load
+from leanlm.models.loading import load
+from leanlm import pipeline
 from leanlm.compress import registry
 from leanlm.eval.datasets import calibration_samples, load_text
 from leanlm.eval.perplexity import score, windows
@@ -174,7 +175,7 @@ def main() -> None:
         for method in ("rtn", "awq"):
             if method == "awq":
                 leanlm_model, _ = load(name, dtype="bfloat16")
-            config = registry.make_config(method, {"bits": 4, "group_size": 128})
+            config = pipeline.make_config(method, {"bits": 4, "group_size": 128})
             registry.apply(leanlm_model, config, samples=samples)
             row.append(score(leanlm_model, ids)[0].perplexity)
         table.add_row(name, *(f"{p:.3f}" for p in row))

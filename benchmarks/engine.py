@@ -27,7 +27,7 @@ import torch
 import leanlm.engine.engine as engine_module
 from leanlm.analysis.memory import kv_bytes_per_token, param_count, weight_bytes_read
 from leanlm.cache.paged import KVPool, cdiv
-from leanlm.engine import LLM, Engine
+from leanlm.engine import LLM, Engine, EngineConfig
 from leanlm.engine.compiled import BUCKETS
 from leanlm.generation.sampling import SamplingParams
 
@@ -83,7 +83,7 @@ def kv_waste(model, tok, n: int, prompts: tuple[int, int], outputs: tuple[int, i
         per_block = KVPool.bytes_per_block(cfg, bs, model.dtype, kv == "int8")
         # every request's final length, + the scheduler's 1% watermark and the compiled step's scratch block
         budget = (sum(cdiv(p + o, bs) for p, o in work) * 102 // 100 + 4) * per_block
-        engine = Engine(model, tok, kv_cache_memory=budget, block_size=bs, kv_cache_dtype=kv)
+        engine = Engine(model, tok, EngineConfig(kv_cache_memory=budget, block_size=bs, kv_cache=kv))
         for i, (prompt, (_, o)) in enumerate(zip(ids, work)):
             engine.add_request(f"w{i}", prompt, greedy(o))
         samples, durations, tokens, start = [], [], 0, time.perf_counter()
@@ -366,7 +366,7 @@ def ttft(model, tok, prefix_len: int, new: int, reps: int) -> dict:
     """A prompt whose first prefix_len tokens were seen before: time to its first token, prefix caching on vs off."""
     rng, vocab = random.Random(4), model.config.vocab_size
     prefix = random_ids(rng, prefix_len, vocab)
-    engines = {on: Engine(model, tok, kv_cache_memory=256 << 20, prefix_caching=on) for on in (True, False)}
+    engines = {on: Engine(model, tok, EngineConfig(kv_cache_memory=256 << 20, prefix_caching=on)) for on in (True, False)}
 
     def first_token(engine: Engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
         start = time.perf_counter()
@@ -437,7 +437,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write every number to this file")
     args = ap.parse_args()
 
-    from leanlm.api import load
+    from leanlm.models.loading import load
     from leanlm.bench.probe import peaks
     from leanlm.models.zoo import resolve
     from leanlm.runtime import cpu_count, matmul_dtype, set_threads

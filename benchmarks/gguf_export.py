@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from leanlm.api import load
+from leanlm.models.loading import load
 from leanlm.bench.serve import leanlm_command
 from leanlm.eval.datasets import load_text
 from leanlm.eval.perplexity import perplexity, windows

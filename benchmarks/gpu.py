@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 import leanlm.bench.latency as latency_module
 from leanlm.bench.latency import bench
-from leanlm.compress.registry import apply, make_config
+from leanlm.compress.registry import apply
+from leanlm.pipeline import make_config
 from leanlm.engine import LLM
 from leanlm.generation.compiled import CompiledDecoder
 from leanlm.generation.sampling import SamplingParams

@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leanlm.analysis.memory import stored_bytes
-from leanlm.api import load
+from leanlm.models.loading import load
 from leanlm.compress.quant.rtn import RTN
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.eval.datasets import load_text

@@ -35,8 +35,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from leanlm.api import load
-from leanlm.compress.prompt import PromptCompressor
+from leanlm.models.loading import load
+from leanlm.prompt.compressor import PromptCompressor
 from leanlm.eval.datasets import EVALUATION_FILES, corpus_dir
 from leanlm.generation.decode import prefill
 from leanlm.generation.text import encode_prompt

@@ -52,8 +52,9 @@ def child(model: str, method: str, options: dict, calibration: str, output: str,
     import torch
     from safetensors.torch import load_file
 
-    from leanlm.api import load
-    from leanlm.compress.registry import apply, make_config
+    from leanlm.models.loading import load
+    from leanlm.compress.registry import apply
+    from leanlm.pipeline import make_config
     from leanlm.compress.sparse.save import save_float
     from leanlm.fetch import atomic_dir
     from leanlm.models.zoo import resolve
@@ -111,7 +112,7 @@ class Bench:
     def _write_calibration(self) -> None:
         from safetensors.torch import save_file
 
-        from leanlm.api import load
+        from leanlm.models.loading import load
         from leanlm.eval.datasets import calibration_samples, load_text
 
         _, tok = load(self.model, progress=False)

@@ -38,7 +38,7 @@ def transformers_decode_tps(path, dtype, prompt_tokens: int, new_tokens: int) ->
 
 def measure(kind: str, model: str, dtype: str, threads: int, prompt_tokens: int, new_tokens: int) -> dict:
     """One measurement in this process: kind is transformers, eager or compiled."""
-    from leanlm.api import load
+    from leanlm.models.loading import load
     from leanlm.bench.latency import bench
     from leanlm.models.zoo import resolve
 

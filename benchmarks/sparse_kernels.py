@@ -65,7 +65,8 @@ def e2e(path: str, rounds: int, lm_head: int, new_tokens: int = 64) -> None:
     """Decode tokens/s of the compact model and its dense-int8 twin, measured in alternation."""
     import copy
 
-    from leanlm.compress.registry import apply, make_config
+    from leanlm.compress.registry import apply
+    from leanlm.pipeline import make_config
     from leanlm.generation.compiled import CompiledDecoder
     from leanlm.generation.decode import prefill
     from leanlm.lowbit.linear import W8A16Linear, W8A16Sparse24Linear

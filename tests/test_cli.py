@@ -88,6 +88,9 @@ def test_stdout_is_the_completion_even_when_a_gguf_is_converted_first(tmp_path):
     (["compress-prompt", "--scorer", "{dir}"], "TEXT or with --file"),
     (["compress-prompt", "-f", "/no/such.txt", "--scorer", "{dir}"], "/no/such.txt"),
     (["compress-prompt", "hello " * 40, "--scorer", "{dir}", "--method", "zip"], "unknown compression method"),
+    (["generate", "{dir}", "hi", "--kv-cache", "16"], "use auto"),
+    (["serve", "{dir}", "--kv-cache", "fp8"], "auto (the model's dtype) or int8"),
+    (["generate", "{dir}", "hi", "--regex", "a+", "--max-num-seqs", "0"], "max_num_seqs must be"),
 ])
 def test_bad_input_is_one_clear_line(tiny_dir, args, message):
     r = leanlm(*[a.replace("{dir}", str(tiny_dir)) for a in args])

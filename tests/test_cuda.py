@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from leanlm.compress.distill.trainer import DistillConfig, Trainer
-from leanlm.compress.prompt import PromptCompressor
-from leanlm.engine import Engine
+from leanlm.distillation.trainer import DistillConfig, Trainer
+from leanlm.prompt.compressor import PromptCompressor
+from leanlm.engine import Engine, EngineConfig
 from leanlm.generation.compiled import CompiledDecoder
 from leanlm.generation.sampling import SamplingParams
 from leanlm.generation.speculative import DraftProposer, speculative_generate
@@ -65,7 +65,7 @@ def test_compiled_decoding_on_cuda_equals_eager(tiny_dir):
 def test_the_engine_on_cuda_equals_one_request_at_a_time(tiny_dir, options):
     """Continuous batching over the paged KV cache (with preemption when the pool is small) on the GPU."""
     model, tok = load_model(tiny_dir, torch.float32, CUDA), Tokenizer(tiny_dir)
-    engine = Engine(model, tok, **options)
+    engine = Engine(model, tok, EngineConfig(**options))
     ps = PROMPTS * 4
     seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps)]
     while engine.has_work:

@@ -1,5 +1,5 @@
 """The floors hold: read every module's top-level imports (as the interpreter runs them on import, so not those
-inside functions or under `if TYPE_CHECKING:`) and check that no lower floor imports a higher one and that no two
+inside functions or under `if TYPE_CHECKING:`) and check that no floor imports one above it and that no two
 packages import each other."""
 
 import ast
@@ -9,10 +9,18 @@ from pathlib import Path
 import leanlm
 
 ROOT = Path(leanlm.__file__).parent
-# the runtime's floor: the model, its caches and kernels, decoding, and what they stand on
-LOW = ("lowbit", "models", "cache", "generation", "kernels", "runtime", "tokenizer", "errors", "fetch")
-# algorithms that write the runtime's format, and the jobs and front ends that use them
-HIGH = ("compress", "engine", "serve", "optimize", "eval", "bench", "cli", "api")
+# The floors, lowest first (docs/ARCHITECTURE.md): a module may import its own floor and those below, never above.
+FLOORS = (
+    # the runtime: the model, its low-bit format, caches and kernels, decoding, and what they stand on
+    ("errors", "fetch", "runtime", "kernels", "tokenizer", "lowbit", "models", "cache", "generation"),
+    # algorithms that write the runtime's format, the serving engine, measurement of one model
+    ("compress", "engine", "eval", "analysis"),
+    # jobs that run models and use the algorithms: training, recipes, sweeps, benchmarks, the server
+    ("distillation", "prompt", "pipeline", "optimize", "bench", "serve"),
+    # front ends
+    ("cli", "api"),
+)
+FLOOR = {package: i for i, floor in enumerate(FLOORS) for package in floor}
 
 
 def top_level_imports(path: Path) -> set[str]:
@@ -46,9 +54,15 @@ def edges() -> dict[str, set[tuple[str, str]]]:
     return graph
 
 
+def test_every_package_has_a_floor():
+    packages = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+                if p.suffix == ".py" and p.stem != "__init__" or p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(FLOOR), f"give each package a floor: {sorted(packages ^ set(FLOOR))}"
+
+
 def test_no_lower_floor_imports_a_higher_one():
-    upward = sorted(f"{m} -> {target}" for m, targets in edges().items() if "." in m and package(m) in LOW
-                    for target, pkg in targets if pkg in HIGH)
+    upward = sorted(f"{m} -> {target}" for m, targets in edges().items() if "." in m
+                    for target, pkg in targets if FLOOR[pkg] > FLOOR[package(m)])
     assert not upward, "imports that run back up:\n" + "\n".join(upward)
 
 

@@ -60,7 +60,7 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
             max_tokens: int = 16384, data: Path | None = None, progress=None) -> list[Compared]:
     """Perplexity on a text (default: the built-in evaluation text), size, and agreement with `base`, for
     base + others."""
-    from leanlm.api import load
+    from leanlm.models.loading import load
     from leanlm.compress.sparse.masks import decoder_sparsity
     from leanlm.eval.datasets import load_text
     from leanlm.eval.perplexity import score

@@ -38,7 +38,7 @@ def slots_of(block_table: list[int], block_size: int, end: int, device=None) -> 
 
 
 class PagedStep:
-    """The KVCache the model sees in an engine step (`attend` replaces update + attention).
+    """The KVCache (cache.base) the model sees in an engine step: its tokens are packed in one row (B = 1).
 
     Sequences that feed one token (decodes) come first and are attended to in one call: leanlm's paged-attention
     kernel reads their keys and values in place through the block tables (CPU; int8 pools too), or elsewhere a
@@ -72,8 +72,10 @@ class PagedStep:
     def advance(self, T: int) -> None:
         pass
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k, v; attend  # q [N, H, D]; k, v [N, Hkv, D] -> [N, H, D]"""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               is_causal: bool) -> torch.Tensor:
+        """Store k, v; attend  # q [1, N, H, D]; k, v [1, N, Hkv, D] -> [1, N, H, D] (the masks are this step's own)"""
+        q, k, v = q[0], k[0], v[0]  # [N, H or Hkv, D]
         self.pool.write(layer, self.slot_mapping, k, v)
         outs = [self._decodes(layer, q[: self.num_single])] if self.num_single else []
         for c in self.chunks:
@@ -83,7 +85,7 @@ class PagedStep:
                                                  attn_mask=c.mask, is_causal=c.mask is None,
                                                  enable_gqa=k.shape[1] != q.shape[1])
             outs.append(out[0].transpose(0, 1))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return (torch.cat(outs) if len(outs) > 1 else outs[0])[None]
 
     def _decodes(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D]"""

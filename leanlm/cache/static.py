@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from leanlm.cache.base import UpdateThenAttend
 from leanlm.models.config import ModelConfig
 
 
-class StaticCache:
+class StaticCache(UpdateThenAttend):
     """Slot j of row b holds the token at position j - pad[b]; slots before pad[b] are padding.
 
     All rows advance together, so a batch of prompts of different lengths is left-padded once at prefill.
@@ -23,6 +24,7 @@ class StaticCache:
         self.pad = pad if pad is not None and bool(pad.any()) else None  # [B] padding slots per row
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v  # [B, Hkv, T, D] at the next T slots; return every slot so far  # [B, Hkv, S, D]"""
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} > {self.max_len} slots")

@@ -74,7 +74,7 @@ def analyze(
     import torch
 
     from leanlm.analysis import roofline as rl
-    from leanlm.api import load
+    from leanlm.models.loading import load
     from leanlm.runtime import matmul_dtype, set_threads
 
     for name, value in (("seq-len", seq_len), ("batch", batch)):

@@ -8,8 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import (Compact, DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs,
-                               _with_teacher, app, out)
+from leanlm.cli.common import Compact, DType, Model, _fail, _recipe_alone, app, err, out, recipe_progress
 
 
 @app.command()
@@ -45,44 +44,19 @@ def quantize(
 ) -> None:
     """Quantize MODEL's decoder projections onto the runtime int8/int4/fp8 kernels and save it to -o DIR
     (calibrated methods read --samples x --seq-len tokens of the calibration text)."""
-    from leanlm.api import load
-    from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import make_config
-    from leanlm.compress.sparse.save import read_record
-    from leanlm.fetch import atomic_dir
-    from leanlm.lowbit.record import is_quantized
-    from leanlm.models.zoo import resolve
+    from leanlm import pipeline
 
     options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order, "alpha": alpha,
                "threshold": threshold}
-    configs = _method_configs(method, recipe, options, default="rtn")
-    lm_head = _default_lm_head(configs) if lm_head is None else lm_head
-    if lm_head != 16:
-        configs.append(make_config("lm_head", {"bits": lm_head, "group_size": group_size or 128}))
-    _check_run(output, samples, seq_len)
-    source = resolve(model)
-    configs = _with_teacher(configs, source)
-    if is_quantized(source):
-        _fail(f"{model} is already quantized; start from the float model")
-    net, tok = load(source, dtype, "cpu")
-    calibration = _calibration(configs, tok, data, samples, seq_len, net.config.max_position)
-    pruned = read_record(source)  # a pruned source: its layers' sparsity and its steps go into quantization.json
-    records = _apply_steps(net, configs, calibration, dict(pruned.get("layers", {})),
-                           total=lambda c: 1 if c.name == "lm_head" else 4 * len(net.layers), compact=compact)
-    with atomic_dir(output) as tmp:
-        qformat.save(net, records, [*pruned.get("recipe", []), *configs], source, tmp)
-    quantized = sum("scheme" in r for r in records.values())
-    compacted = sum(r.get("scheme") == "w8a16_2:4" for r in records.values())
-    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}, {quantized} layers quantized"
+    _recipe_alone(recipe, method, options)
+    with recipe_progress() as progress:
+        built = pipeline.quantize(model, method, out=output, recipe=recipe, lm_head=lm_head, data=data,
+                                  samples=samples, seq_len=seq_len, dtype=dtype, compact=compact, progress=progress,
+                                  status=err.print, **options)
+    quantized = sum("scheme" in r for r in built.records.values())
+    compacted = sum(r.get("scheme") == "w8a16_2:4" for r in built.records.values())
+    out.print(f"{model} -> {output} ({' + '.join(c.name for c in built.steps)}, {quantized} layers quantized"
               + (f", {compacted} of them stored 2:4-compact" if compacted else "") + ")")
-
-
-def _default_lm_head(configs: list) -> int:
-    """8 when a step quantizes weights to 4 bits (and none quantizes the lm_head itself), else 16. A 16-bit head
-    kept 4-bit decode of the default model at 1.4-1.7x bf16 on one thread, against 2.4-2.6x with an int8 one, at
-    no measurable cost in perplexity."""
-    four_bit = any(getattr(c, "bits", None) == 4 for c in configs)
-    return 8 if four_bit and not any(c.name == "lm_head" for c in configs) else 16
 
 
 @app.command()
@@ -172,7 +146,7 @@ def compress_prompt(
     import sys
 
     from leanlm.cli.common import err
-    from leanlm.compress.prompt import PromptCompressor
+    from leanlm.prompt.compressor import PromptCompressor
 
     if (text is None) == (file is None):
         _fail("give the prompt as TEXT or with --file, one of the two")

@@ -11,22 +11,6 @@ import typer
 from leanlm.cli.common import Device, _fail, app, err, out
 
 
-def keep_layers(spec: str, total: int) -> list[int]:
-    """"0,5,11" -> those layers; "4" -> four evenly spaced, the first and the last among them."""
-    try:
-        numbers = [int(part) for part in spec.split(",")]
-    except ValueError:
-        raise typer.BadParameter(f"--keep-layers takes a count or a comma-separated list of layers, got {spec!r}")
-    if len(numbers) == 1:
-        n = numbers[0]
-        if not 1 <= n <= total:
-            raise typer.BadParameter(f"--keep-layers {n}: the teacher has {total} layers")
-        return sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
-    if sorted(set(numbers)) != numbers or numbers[0] < 0 or numbers[-1] >= total:
-        raise typer.BadParameter(f"--keep-layers: give ascending distinct layers in 0..{total - 1}, got {spec}")
-    return numbers
-
-
 @app.command()
 def distill(
     teacher: Annotated[str, typer.Option(help="the teacher: zoo name or model directory")],
@@ -74,23 +58,7 @@ def distill(
     """Distil TEACHER into a student and save it to -o DIR (an ordinary model directory with curve.png and the
     run in distill.json); checkpoints in DIR/checkpoint let --resume continue an interrupted run bit for bit
     (removed when the run ends, unless --keep-checkpoint)."""
-    import json
-    import shutil
-    from dataclasses import asdict, replace
-
-    import torch
-
-    from leanlm.api import load
-    from leanlm.compress.distill.qat import QAT, export, prepare
-    from leanlm.compress.distill.trainer import DistillConfig, Trainer, plot_history
-    from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import decoder_linears, merge_records, renumber_layers
-    from leanlm.compress.sparse.masks import layer_record
-    from leanlm.compress.sparse.save import read_record, save_float
-    from leanlm.compress.sparse.structured import drop_layers
-    from leanlm.eval.datasets import load_text
-    from leanlm.lowbit.record import note_pruning
-    from leanlm.models.zoo import resolve
+    from leanlm.distillation.run import distill as run
 
     if (student is None) == (student_from is None):
         _fail("give --student MODEL, or --student-from MODEL with --keep-layers")
@@ -100,55 +68,15 @@ def distill(
         _fail(f"{output} already exists; choose a new output directory (or --resume a run in it)")
     if resume and not (output / "checkpoint" / "trainer.json").exists():
         _fail(f"--resume: {output} holds no checkpoint")
-    qat_config = None if qat is None else QAT.parse(qat)
-    config = DistillConfig(loss=loss, temperature=temperature, top_k=top_k, lr=lr, batch_size=batch_size,
-                           seq_len=seq_len, grad_accum=grad_accum, steps=steps, tokens=tokens, minutes=minutes,
-                           eval_every=eval_every, eval_tokens=eval_tokens, gradient_checkpointing=gradient_checkpointing,
-                           on_policy=on_policy, prune_to=prune_to, prune_end=prune_end)
-    teacher_net, tok = load(teacher, "bfloat16", device)
-    source = resolve(student or student_from)
-    student_net, _ = load(source, "float32", device)
-    pruning = read_record(source)  # a pruned student's record
-    if keep is not None:
-        kept = keep_layers(keep, student_net.config.num_layers)
-        drop_layers(student_net, kept)
-        if loss == "tinybert" and resolve(teacher) == source:  # each kept layer learns from where it came
-            config = replace(config, layer_map=tuple(kept))
-        if pruning:  # its records follow their layers to the student's numbers, as `leanlm prune --method layers`'s
-            pruning["layers"] = renumber_layers(pruning.get("layers", {}), kept)
-    if qat_config is not None:
-        prepare(student_net, qat_config)
-    train_ids = torch.tensor(tok.encode(load_text(data, split="calibration", tokenizer=tok)))
-    eval_ids = torch.tensor(tok.encode(load_text(eval_data, split="evaluation", tokenizer=tok)))
-    trainer = Trainer(teacher_net, student_net, train_ids, eval_ids, config, out=output, logit_cache=logit_cache)
-    if resume:
-        trainer.load_checkpoint(output)
-    history = trainer.run()
-    final = history.evals[-1]
-    student_net.cpu()  # saved (and QAT exported onto the CPU kernels' formats) from the CPU
-    if prune_to is not None:  # pruned while training: the record says so, as `leanlm prune`'s would
-        pruned = {name: layer_record(linear.weight, None) for name, linear in decoder_linears(student_net)}
-        pruning = {"recipe": [*pruning.get("recipe", []), {"method": "gradual_magnitude", "sparsity": prune_to,
-                                                           "during": "distill"}],
-                   "layers": merge_records(pruning.get("layers", {}), pruned)}
-    # a pruned student's pruning.json goes along (its sparsity stays true); the run itself goes to distill.json
-    if qat_config is None:
-        save_float(student_net.to(torch.bfloat16).eval(), source, output, pruning or None)
-    else:
-        # a pruned student's layers keep their pruning records, merged with their quantization, as quantize does
-        records = merge_records(pruning.get("layers", {}), export(student_net, qat_config))
-        note_pruning(student_net, records)
-        qformat.save(student_net.eval(), records, [*pruning.get("recipe", []), qat_config], source, output)
-    run = {"teacher": str(teacher), "student": str(student or student_from), "keep_layers": keep,
-           "data": str(data or "built-in calibration split"),
-           "eval_data": str(eval_data or "built-in evaluation split"),
-           "config": asdict(config), "history": asdict(history)}
-    (output / "distill.json").write_text(json.dumps(run, indent=1))
-    plot_history(history, output / "curve.png")
-    if not keep_checkpoint:
-        shutil.rmtree(output / "checkpoint", ignore_errors=True)
+    done = run(teacher, output, student=student, student_from=student_from, keep=keep, data=data,
+               eval_data=eval_data, qat=qat, device=device, resume=resume, keep_checkpoint=keep_checkpoint,
+               logit_cache=logit_cache, loss=loss, temperature=temperature, top_k=top_k, lr=lr, batch_size=batch_size,
+               seq_len=seq_len, grad_accum=grad_accum, steps=steps, tokens=tokens, minutes=minutes,
+               eval_every=eval_every, eval_tokens=eval_tokens, gradient_checkpointing=gradient_checkpointing,
+               on_policy=on_policy, prune_to=prune_to, prune_end=prune_end)
+    history, first, final = done.history, done.history.evals[0], done.history.evals[-1]
     err.print(f"{history.tokens} training tokens in {history.seconds / 60:.1f} min "
               f"({history.tokens / max(history.seconds, 1e-9):.0f} tokens/s)")
-    out.print(f"{student or student_from} -> {output} ({config.loss}, {trainer.step} steps: perplexity "
-              f"{history.evals[0]['ppl']:.2f} -> {final['ppl']:.2f}, KL to the teacher {history.evals[0]['kl']:.4f}"
-              f" -> {final['kl']:.4f})", soft_wrap=True)
+    out.print(f"{student or student_from} -> {output} ({done.config.loss}, {done.steps} steps: perplexity "
+              f"{first['ppl']:.2f} -> {final['ppl']:.2f}, KL to the teacher {first['kl']:.4f} -> {final['kl']:.4f})",
+              soft_wrap=True)

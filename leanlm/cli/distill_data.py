@@ -40,7 +40,7 @@ def _check(mode: str, given: dict, numbers: dict, temperature: float | None, out
 
 
 def _texts(path: Path, what: str) -> list[str]:
-    from leanlm.compress.distill.data import read_items
+    from leanlm.eval.corpus import read_items
 
     items = read_items(path)
     if not all(isinstance(item, str) for item in items):
@@ -83,8 +83,9 @@ def distill_data(
     """Write a distillation corpus with TEACHER for `leanlm distill --data CORPUS.jsonl`: label a prompt set, expand
     a few examples, curate a topic list, or score (with --correct, correct) a student's samples. Give one of --label,
     --expand, --curate, --feedback."""
-    from leanlm.compress.distill import data
+    from leanlm.distillation import data
     from leanlm.engine import LLM
+    from leanlm.eval.corpus import read_items, write_corpus
     from leanlm.generation.sampling import SamplingParams
 
     modes = {"label": label_file, "expand": expand_file, "curate": curate_file, "feedback": feedback_file}
@@ -97,7 +98,7 @@ def distill_data(
            dict(count=count, shots=shots, per_topic=per_topic, samples=samples, max_tokens=max_tokens), temperature,
            output)
     what = {"expand": "examples", "curate": "topics"}.get(mode)
-    items = _texts(source, what) if what else data.read_items(source)
+    items = _texts(source, what) if what else read_items(source)
     sampled = SamplingParams(temperature=1.0 if temperature is None else temperature, max_tokens=max_tokens)
     labels = SamplingParams(temperature=temperature if mode == "label" and temperature is not None else 0.0,
                             max_tokens=max_tokens, seed=seed)
@@ -131,5 +132,5 @@ def distill_data(
             _fail("the teacher wrote no usable prompt; try a higher --temperature, more --max-tokens or other examples")
         err.print(f"the teacher completes {len(prompts)} prompts", soft_wrap=True)
         examples = data.label(llm, prompts, labels, chat, source=mode, progress=True)
-    data.write_corpus(output, examples)
+    write_corpus(output, examples)
     out.print(f"{len(examples)} examples -> {output} ({mode}: {note})", highlight=False, soft_wrap=True)

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, _int8_kv, _load, app, err, out
+from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, _load, app, err, out
+from leanlm.engine.config import check_kv_cache
 
 
 @app.command()
@@ -59,7 +60,7 @@ def generate(
     json_schema: Annotated[Optional[Path], typer.Option(help="the output is JSON that fits this schema (a JSON file); "
                                                              "runs through the serving engine")] = None,
     regex: Annotated[Optional[str], typer.Option(help="the output matches this regular expression in full")] = None,
-    kv_cache: KVCache = "16",
+    kv_cache: KVCache = "auto",
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Complete PROMPT with MODEL and print the completion (streamed for a single prompt)."""
@@ -71,16 +72,16 @@ def generate(
                             stop=tuple(stop or ()), seed=seed, grammar=_grammar(json_schema, regex))
     if (file is None) == (not prompt):
         _fail("give PROMPT arguments or --file PROMPTS.jsonl (one of them)")
-    if params.grammar is not None and file is None:  # the engine masks each step by the grammar
-        if draft or compile:
+    kv_cache = check_kv_cache(kv_cache, "--kv-cache")
+    if params.grammar is not None or file is not None:  # through the engine (it masks each step by the grammar)
+        from leanlm.engine.config import EngineConfig
+
+        if file is None and (draft or compile):
             _fail("--json-schema/--regex run through the engine: drop --draft and --compile (or use leanlm serve)")
-        options = dict(kv_cache_memory=kv_cache_memory, prompt_lookup=prompt_lookup or 0,
-                       kv_cache_dtype="int8" if _int8_kv(kv_cache) else "auto")
-        _generate_engine(model, prompt, params, chat, options, dtype, device, threads)
-        return
-    if file is not None:
-        _generate_file(model, file, params, chat, dict(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       deterministic=deterministic, prompt_lookup=prompt_lookup or 0), dtype, device, threads)
+        config = EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, kv_cache=kv_cache,
+                              deterministic=deterministic, prompt_lookup=prompt_lookup or 0)
+        run = _generate_engine if file is None else _generate_file
+        run(model, prompt if file is None else file, params, chat, config, dtype, device, threads)
         return
     net, tok, threads = _load(model, dtype, device, threads)
     if (draft or prompt_lookup) and num_speculative != 0:
@@ -92,7 +93,7 @@ def generate(
     from leanlm.cache.static import StaticCache
     from leanlm.cache.int8 import Int8KVCache
 
-    cache_cls = Int8KVCache if _int8_kv(kv_cache) else StaticCache
+    cache_cls = Int8KVCache if kv_cache == "int8" else StaticCache
     if len(prompt) == 1:
         _print_stream(stream(net, tok, prompt[0], params, chat, compiled, cache_cls))
         return
@@ -101,12 +102,12 @@ def generate(
         out.print(c.text, highlight=False, markup=False)
 
 
-def _generate_file(model, file, params, chat, engine_options: dict, dtype, device, threads) -> None:
+def _generate_file(model, file, params, chat, config, dtype, device, threads) -> None:
     from leanlm.engine import LLM
     from leanlm.cli.jsonl import read_requests, result_line
 
     prompts, per_line = read_requests(file, params)
-    llm = LLM(model, dtype=dtype, device=device, threads=threads, **engine_options)
+    llm = LLM(model, config=config, dtype=dtype, device=device, threads=threads)
     for i, output in enumerate(llm.generate(prompts, per_line, chat=chat)):
         print(result_line(i, output))
 
@@ -126,11 +127,10 @@ def _grammar(json_schema: Path | None, regex: str | None):
     return GrammarSpec.one_of(json_schema=schema, regex=regex)
 
 
-def _generate_engine(model, prompts: list[str], params, chat: bool, engine_options: dict, dtype, device,
-                     threads) -> None:
+def _generate_engine(model, prompts: list[str], params, chat: bool, config, dtype, device, threads) -> None:
     from leanlm.engine import LLM
 
-    llm = LLM(model, dtype=dtype, device=device, threads=threads, quiet=True, **engine_options)
+    llm = LLM(model, config=config, dtype=dtype, device=device, threads=threads, quiet=True)
     outputs = llm.generate(prompts, params, chat=chat, progress=False)
     for i, output in enumerate(outputs):
         if len(prompts) > 1:

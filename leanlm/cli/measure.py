@@ -76,7 +76,7 @@ def _humaneval(model: str, limit: int | None, new_tokens: int, timeout: float, j
 
     from rich.progress import Progress
 
-    from leanlm.api import load
+    from leanlm.models.loading import load
     from leanlm.errors import LeanLMError
     from leanlm.eval.humaneval import evaluate, generate_completions, load_problems, sandbox
 
@@ -257,7 +257,7 @@ def info(model: Model,
          dtype: DType = "auto", device: Device = "auto") -> None:
     """Architecture and memory breakdown: textbook formulas next to measured sizes."""
     from leanlm.analysis.report import memory_report
-    from leanlm.api import load
+    from leanlm.models.loading import load
     from leanlm.bench.compare import disk_bytes
     from leanlm.models.zoo import resolve
 

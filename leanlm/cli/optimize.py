@@ -23,7 +23,7 @@ def optimize(
                                              "within it is recommended, else the most faithful within the cost "
                                              "limits")] = DEFAULT_BUDGET,
     recipes: Annotated[str, typer.Option(help="variants to sweep: default, quick, or a YAML file listing {name, "
-                                              "steps: [quantize/prune recipe steps], dtype, kv_cache: 16|int8, "
+                                              "steps: [quantize/prune recipe steps], dtype, kv_cache: auto|int8, "
                                               "prompt_lookup: N}")] = "default",
     quick: Annotated[bool, typer.Option(help="the quick sweep: 6 variants, 4096 evaluation tokens, 16 calibration "
                                              "windows of 256 tokens, decode compiled with a Python launcher; about 10 "

@@ -7,8 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import (Compact, DType, Model, _apply_steps, _calibration, _check_run, _fail, _method_configs,
-                               _with_teacher, app, out)
+from leanlm.cli.common import Compact, DType, Model, _fail, _recipe_alone, app, err, out, recipe_progress
 
 
 @app.command()
@@ -46,38 +45,20 @@ def prune(
 ) -> None:
     """Prune MODEL and save it to -o DIR: a float model as an ordinary HF directory (every verb and transformers
     load it), a sparse + quantized one in leanlm's quantized format."""
-    from leanlm.api import load
-    from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import recipe_steps
-    from leanlm.compress.sparse.save import read_record, save_float
-    from leanlm.fetch import atomic_dir
-    from leanlm.lowbit.record import is_quantized
-    from leanlm.models.zoo import resolve
+    from leanlm import pipeline
 
     options = {"sparsity": sparsity, "pattern": pattern, "target_params": target_params, "bits": bits, "scope": scope,
                "owl": owl, "heads": heads, "intermediate_size": intermediate_size, "num_layers": num_layers,
                "criterion": criterion}
     if method is None and recipe is None:
         _fail("give --method (magnitude, wanda, sparsegpt, taylor, heads, neurons, layers) or --recipe FILE")
-    configs = _method_configs(method, recipe, options)
-    _check_run(output, samples, seq_len)
-    source = resolve(model)
-    configs = _with_teacher(configs, source)
-    if is_quantized(source):
-        _fail(f"{model} is quantized; prune the float model (and quantize after, or with sparsegpt --bits)")
-    net, tok = load(source, dtype, "cpu")
-    calibration = _calibration(configs, tok, data, samples, seq_len, net.config.max_position)
-    before = read_record(source)  # a source pruned before: its record goes on with this run's
     # --compact: int8 layers pruned 2:4 (sparsegpt --bits 8, or a recipe's later rtn/gptq 8) stored compactly
-    records = _apply_steps(net, configs, calibration, dict(before.get("layers", {})), compact=compact)
-    steps = [*before.get("recipe", []), *configs]
-    quantized = any(hasattr(m, "BITS") for m in net.modules())
-    with atomic_dir(output) as tmp:
-        if quantized:
-            qformat.save(net, records, steps, source, tmp)
-        else:
-            save_float(net, source, tmp, {"recipe": recipe_steps(steps), "layers": records})
-    out.print(f"{model} -> {output} ({' + '.join(c.name for c in configs)}: {_summary(net)})", soft_wrap=True)
+    _recipe_alone(recipe, method, options)
+    with recipe_progress() as progress:
+        built = pipeline.prune(model, method, out=output, recipe=recipe, data=data, samples=samples, seq_len=seq_len,
+                               dtype=dtype, compact=compact, progress=progress, status=err.print, **options)
+    out.print(f"{model} -> {output} ({' + '.join(c.name for c in built.steps)}: {_summary(built.model)})",
+              soft_wrap=True)
 
 
 def _summary(net) -> str:

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, _int8_kv, app, err, out
+from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, app, err, out
+from leanlm.engine.config import check_kv_cache
 
 
 @app.command()
@@ -26,7 +27,7 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(help="most sequences decoded together")] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step (prompt chunks fill it)")] = 1024,
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "2GiB",
-    kv_cache: KVCache = "16",
+    kv_cache: KVCache = "auto",
     max_requests: Annotated[int, typer.Option(help="requests in progress beyond which new ones get 503")] = 512,
     prompt_lookup: Annotated[int, typer.Option(help="prompt-lookup speculation with n-grams up to N (0: off)")] = 0,
     draft: Annotated[Optional[str], typer.Option(help="speculative decoding with this draft model (same tokenizer). "
@@ -50,7 +51,7 @@ def serve(
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics). SIGTERM drains requests in flight, then exits."""
-    from leanlm.engine import AsyncLLM
+    from leanlm.engine import AsyncLLM, EngineConfig
     from leanlm.serve import serve as run_server
 
     if api_key_file is not None:
@@ -59,21 +60,17 @@ def serve(
         except (OSError, IndexError) as e:
             _fail(f"--api-key-file {api_key_file}: cannot read a key from it ({e or 'empty'})")
     name = served_model_name or Path(model).name  # a directory's path stays private to the server
-
-    options = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
-                   kv_cache_dtype="int8" if _int8_kv(kv_cache) else "auto", max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens, prompt_lookup=prompt_lookup, draft=draft,
-                   num_speculative=num_speculative,
-                   deterministic=deterministic, compile=compile)
+    config = EngineConfig(kv_cache_memory=kv_cache_memory, kv_cache=check_kv_cache(kv_cache, "--kv-cache"),
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          prompt_lookup=prompt_lookup, draft=draft, num_speculative=num_speculative,
+                          deterministic=deterministic, compile=compile)
     if replicas > 1 or ray_address:
         from leanlm.serve.ray import serve_replicas
 
-        if threads is not None:
-            options["threads"] = threads
-        serve_replicas(model, name, replicas, host, port, api_key, max_requests, options,
-                       ray_address, prompt_scorer=prompt_scorer, max_n=max_n)
+        serve_replicas(model, name, replicas, host, port, api_key, max_requests, config, ray_address,
+                       prompt_scorer=prompt_scorer, max_n=max_n, dtype=dtype, device=device, threads=threads)
         return
-    llm = AsyncLLM(model, threads=threads, **options)
+    llm = AsyncLLM(model, config=config, dtype=dtype, device=device, threads=threads)
     run_server(llm, name, host, port, api_key, max_requests, prompt_scorer=prompt_scorer, max_n=max_n)
 
 

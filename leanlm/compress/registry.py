@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, fields
-from pathlib import Path
+from dataclasses import asdict
 
 from torch import nn
 
@@ -20,7 +19,7 @@ def register(config_cls: type) -> Callable:
     """@register(RTN) on `handler(model, config, progress, samples) -> {layer name: record}` makes 'rtn' a
     method. `samples` [n, T] are calibration token ids, None when the caller has none. The config class names
     itself (`name`) and says what it does (`kind`, one of KINDS). The methods are the modules that
-    compress.methods imports."""
+    leanlm.pipeline imports, which also finds them by name."""
     if getattr(config_cls, "kind", None) not in KINDS:
         raise TypeError(f"{config_cls.__name__}.kind must be one of {KINDS}")
 
@@ -30,42 +29,6 @@ def register(config_cls: type) -> Callable:
         return handler
 
     return decorate
-
-
-def method(name: str) -> type:
-    import leanlm.compress.methods  # noqa: F401  (registers every method; its modules import this one)
-
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise LeanLMError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}") from None
-
-
-def make_config(name: str, options: dict):
-    """The config of method `name` from option values; a clear error for an option it does not take."""
-    cls = method(name)
-    known = [f.name for f in fields(cls)]
-    unknown = [k for k in options if k not in known]
-    if unknown:
-        takes = f"its options: {', '.join(known)}" if known else "it takes no options"
-        raise LeanLMError(f"{name} has no option {', '.join(unknown)} ({takes})")
-    return cls(**options)
-
-
-def read_recipe(path: Path) -> list:
-    """Configs from a YAML list of steps, each {method: NAME, option: value, ...}, applied in order. A method
-    quantizes the projections that earlier steps left in float, so `smooth` then `rtn` is SmoothQuant."""
-    import yaml
-
-    try:
-        steps = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise LeanLMError(f"cannot read recipe {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise LeanLMError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(steps, list) or not steps or not all(isinstance(s, dict) and "method" in s for s in steps):
-        raise LeanLMError(f"recipe {path} must be a non-empty YAML list of steps such as `- method: rtn`")
-    return [make_config(step["method"], {k: v for k, v in step.items() if k != "method"}) for step in steps]
 
 
 def recipe_steps(configs: list) -> list[dict]:

@@ -8,9 +8,11 @@ from typing import ClassVar
 
 import torch
 
-from leanlm.compress.distill.trainer import DistillConfig, Trainer
+from leanlm.distillation.trainer import DistillConfig, Trainer
 from leanlm.compress.registry import register
 from leanlm.errors import LeanLMError
+from leanlm.eval.datasets import load_text
+from leanlm.models.loading import load
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,6 @@ class Distill:
 @register(Distill)
 def distill(model, config: Distill, progress=None, samples=None) -> dict[str, dict]:
     """Train `model` in place on the teacher's distributions; its zeros stay (the trainer's masks)."""
-    from leanlm.api import load
-    from leanlm.eval.datasets import load_text
-
     if config.teacher is None:
         raise LeanLMError("a distill step needs a teacher: give `teacher: MODEL` in the step")
     frozen = [name for name, m in model.named_modules() if name.startswith("layers.") and hasattr(m, "BITS")]

@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
-from leanlm.compress.distill import losses
-from leanlm.compress.distill.features import captured, mixed_samples, uniform_layer_map
+from leanlm.distillation import losses
+from leanlm.distillation.features import captured, mixed_samples, uniform_layer_map
 from leanlm.compress.registry import decoder_linears
 from leanlm.compress.sparse.masks import check_sparsity, row_mask
 from leanlm.errors import LeanLMError

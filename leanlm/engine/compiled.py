@@ -27,11 +27,13 @@ class _SlotWrites:
     def advance(self, T: int) -> None:
         pass
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.k[layer].index_copy_(0, self.slots, k)
-        self.v[layer].index_copy_(0, self.slots, v)
-        return kernels.ops().paged_attention(q.contiguous(), self.k[layer], self.v[layer], self.tables, self.lens,
-                                             self.block_size)
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               is_causal: bool) -> torch.Tensor:
+        """q [1, B, H, D]; k, v [1, B, Hkv, D] -> [1, B, H, D]: one token per sequence"""
+        self.k[layer].index_copy_(0, self.slots, k[0])
+        self.v[layer].index_copy_(0, self.slots, v[0])
+        return kernels.ops().paged_attention(q[0].contiguous(), self.k[layer], self.v[layer], self.tables, self.lens,
+                                             self.block_size)[None]
 
 
 def _paged_step(model, tokens, positions, slots, tables, lens, k, v, block_size):

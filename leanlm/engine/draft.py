@@ -1,7 +1,7 @@
 """Draft-model speculation in the engine's steps (Leviathan et al., https://arxiv.org/abs/2211.17192): a small model
 of the same tokenizer proposes k tokens for every decoding sequence, batched, before the target verifies them all in
 one forward (the exact rejection rule in Engine._verify). The draft keeps its keys and values in a pool of its own,
-indexed by the target's block tables, so the target's block manager owns both."""
+indexed by the target's block tables, so the scheduler's block manager owns both."""
 
 from __future__ import annotations
 

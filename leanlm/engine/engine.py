@@ -1,5 +1,5 @@
-"""Engine: requests in, tokens out, many requests sharing each forward. A step is schedule -> run -> postprocess
-(sample, append, detokenize, finish), over a paged KV cache that prompts with a common prefix share."""
+"""Engine: requests in, tokens out, many requests sharing each forward. A step reads schedule -> run -> sample ->
+postprocess, over a paged KV cache that prompts with a common prefix share."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import time
 
 import torch
 
-from leanlm.cache.paged import BlockManager, KVPool, cdiv
+from leanlm.cache.paged import KVPool, cdiv
 from leanlm.engine.compiled import CompiledPagedDecoder
+from leanlm.engine.config import EngineConfig
 from leanlm.engine.draft import Drafter
-from leanlm.engine.runner import Runner
-from leanlm.engine.scheduler import Scheduler
+from leanlm.engine.postprocess import Sampled, append
+from leanlm.engine.runner import Forward, Runner
+from leanlm.engine.scheduler import ScheduledBatch, Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import check_fits
@@ -22,58 +24,62 @@ from leanlm.generation.sampling import SamplingParams, probabilities, sample_row
 from leanlm.generation.speculative import LookupProposer, verify
 from leanlm.generation.text import Detokenizer, encode_prompt, eos_ids
 from leanlm.models.transformer import Transformer
+from leanlm.runtime import parse_memory
 from leanlm.tokenizer import Tokenizer
 
 
 class Engine:
     """Not thread-safe: one thread adds, aborts and steps (engine.llm.AsyncLLM runs it on its own thread)."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, kv_cache_memory: int = 1 << 30,
-                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 1024,
-                 prefix_caching: bool = True, kv_cache_dtype: str = "auto", compile: bool = False,
-                 deterministic: bool = False, prompt_lookup: int = 0, num_speculative: int = 4,
-                 draft: Transformer | None = None):
-        if kv_cache_dtype not in ("auto", "int8"):
-            raise LeanLMError(f"kv_cache_dtype must be auto (the model dtype) or int8, got {kv_cache_dtype!r}")
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise LeanLMError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if draft is not None and prompt_lookup:
-            raise LeanLMError("speculate with a draft model or by prompt lookup, not both")
-        self.model, self.tokenizer = model, tokenizer
-        int8 = kv_cache_dtype == "int8"
-        per_block = KVPool.bytes_per_block(model.config, block_size, model.dtype, int8)
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None):
+        """config: EngineConfig() when None; its draft, if any, a loaded model (LLM loads one by name)."""
+        config = config if config is not None else EngineConfig()
+        if config.draft_by_name:
+            raise LeanLMError(f"Engine takes a loaded draft model, not {config.draft!r}: load it (leanlm.load), or "
+                              "use LLM, which loads it by name")
+        self.model, self.tokenizer, self.config, draft = model, tokenizer, config, config.draft
+        bs, memory = config.block_size, parse_memory(config.kv_cache_memory, model.device)
+        per_block = KVPool.bytes_per_block(model.config, bs, model.dtype, config.int8_kv)
         if draft is not None:  # the budget holds both models' keys and values, block for block
-            per_block += KVPool.bytes_per_block(draft.config, block_size, draft.dtype)
-        self.pool = KVPool(model.config, kv_cache_memory // per_block, block_size, model.dtype, model.device, int8)
-        self.drafter = Drafter(draft, self.pool.num_blocks, block_size) if draft is not None else None
-        # the pool's last block belongs to no sequence: padded rows (compiled and deterministic steps) write there
-        scratch, compiled = self.pool.num_blocks - 1, None
-        self.blocks = BlockManager(scratch, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        if compile and (deterministic or not CompiledPagedDecoder.supports(self.pool)):
-            why = "deterministic mode feeds fixed tiles" if deterministic else (
+            per_block += KVPool.bytes_per_block(draft.config, bs, draft.dtype)
+        self.pool = KVPool(model.config, memory // per_block, bs, model.dtype, model.device, config.int8_kv)
+        self.drafter = Drafter(draft, self.pool.num_blocks, bs) if draft is not None else None
+        self.scheduler = Scheduler(config, self.pool.num_blocks)
+        self.runner = Runner(model, self.pool, self._compiled(), config.deterministic, self.scheduler.scratch)
+        self.eos = eos_ids(model, tokenizer)
+        self.lookup = LookupProposer(ngram=config.prompt_lookup) if config.prompt_lookup else None
+        self.num_speculative = config.num_speculative
+        # speculation (prompt lookup or a draft): verifications, tokens proposed and accepted, accepted per position
+        self.spec_drafts = self.spec_proposed = self.spec_accepted = 0
+        self.spec_accepted_per_pos = [0] * config.num_speculative
+        self.requests: dict[str, list[Sequence]] = {}
+        self._grammars, self._grammar_lock = None, threading.Lock()
+
+    def _compiled(self) -> CompiledPagedDecoder | None:
+        """The compiled decode steps, when asked for and possible (else a warning: steps run eager)."""
+        if not self.config.compile:
+            return None
+        if self.config.deterministic or not CompiledPagedDecoder.supports(self.pool):
+            why = "deterministic mode feeds fixed tiles" if self.config.deterministic else (
                 "the int8 KV cache is quantized outside the graph" if self.pool.int8 else
                 "the paged-attention kernel is unavailable (a CPU float32/bfloat16 model and a C++ compiler)")
             print(f"leanlm: warning: compile is off, steps run eager: {why}", file=sys.stderr)
-        elif compile:
-            compiled = CompiledPagedDecoder(model, self.pool, scratch)
-        self.runner = Runner(model, self.pool, compiled, deterministic, scratch)
-        self.eos = eos_ids(model, tokenizer)
-        self.lookup = LookupProposer(ngram=prompt_lookup) if prompt_lookup else None
-        self.num_speculative = num_speculative
-        # speculation (prompt lookup or a draft): verifications, tokens proposed and accepted, accepted per position
-        self.spec_drafts = self.spec_proposed = self.spec_accepted = 0
-        self.spec_accepted_per_pos = [0] * num_speculative
-        self.requests: dict[str, list[Sequence]] = {}
-        self._grammars, self._grammar_lock = None, threading.Lock()
+            return None
+        return CompiledPagedDecoder(self.model, self.pool, self.scheduler.scratch)
+
+    @property
+    def blocks(self):
+        """The scheduler's block manager (cache.paged.BlockManager), to read its counters (usage, prefix-cache
+        hits); blocks change hands only through the scheduler."""
+        return self.scheduler.blocks
 
     def describe(self) -> str:
         """The KV pool in a line: blocks, tokens, bytes (what the budget bought)."""
         kind = "int8" if self.pool.int8 else str(self.pool.dtype).removeprefix("torch.")
-        tokens = self.blocks.num_blocks * self.blocks.block_size
-        return (f"KV cache: {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens = {tokens} tokens "
-                f"({self.pool.nbytes / 2**30:.2f} GiB, {kind}); up to {self.scheduler.max_num_seqs} sequences, "
-                f"{self.scheduler.max_num_batched_tokens} tokens per step")
+        c = self.config
+        return (f"KV cache: {self.scheduler.num_blocks} blocks of {c.block_size} tokens = {self.capacity} tokens "
+                f"({self.pool.nbytes / 2**30:.2f} GiB, {kind}); up to {c.max_num_seqs} sequences, "
+                f"{c.max_num_batched_tokens} tokens per step")
 
     def make_request(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
                      chat: bool = False) -> list[Sequence]:
@@ -91,10 +97,10 @@ class Engine:
         max_tokens = check_fits(self.model, len(ids), params.max_tokens)
         if params.max_tokens is None:  # to the end of the context, as far as the KV cache holds one sequence
             max_tokens = max(1, min(max_tokens, self.capacity - len(ids)))
-        need = cdiv(len(ids) + max_tokens, self.blocks.block_size)
-        if need > self.blocks.num_blocks:
+        need, have = cdiv(len(ids) + max_tokens, self.config.block_size), self.scheduler.num_blocks
+        if need > have:
             raise LeanLMError(f"a request of {len(ids)} prompt + {max_tokens} new tokens needs {need} KV blocks; the "
-                              f"KV cache holds {self.blocks.num_blocks}: give it more memory or ask for fewer tokens")
+                              f"KV cache holds {have}: give it more memory or ask for fewer tokens")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
         seqs = [Sequence(request_id, i, ids, params, max_tokens, stop_ids, Detokenizer(ids, params.stop, stop_ids))
                 for i in range(params.n)]
@@ -136,44 +142,84 @@ class Engine:
     @property
     def capacity(self) -> int:
         """Tokens the KV cache holds."""
-        return self.blocks.num_blocks * self.blocks.block_size
+        return self.scheduler.capacity
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     def step(self) -> list[Delta]:
+        """schedule -> run -> sample -> postprocess: one forward for every scheduled sequence; what each completion
+        gained."""
         self._propose()
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        if self.drafter is not None and (speculating := [s for s, _ in batch if s.proposal]):
+        if self.drafter is not None and (speculating := batch.speculating):
             self.drafter.draft(speculating)
-        sampling, logits, prompt_rows = self.runner.run(batch)
-        if prompt_rows:
-            self._prompt_logprobs(prompt_rows, logits[len(logits) - sum(n for _, _, n in prompt_rows):])
+        forward = self.runner.run(batch)
+        self._computed(batch, forward)
+        seqs, rows = self._fork(forward.sampling)
+        return self.postprocess(self._sample(seqs, rows, forward.logits))
+
+    def _computed(self, batch: ScheduledBatch, forward: Forward) -> None:
+        """The fed tokens' keys and values are in the pool (a proposal's count once verified): their full blocks
+        become findable; the prompt log-probabilities asked for are noted."""
+        if forward.prompt_rows:
+            rows = sum(n for _, _, n in forward.prompt_rows)
+            self._prompt_logprobs(forward.prompt_rows, forward.logits[len(forward.logits) - rows :])
         for seq, n in batch:
             if not seq.proposal:
                 seq.num_computed += n
-                self.blocks.commit(seq, seq.num_computed)
-        starts = [0]
+                self.scheduler.commit(seq, seq.num_computed)
+
+    def _fork(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[list[int]]]:
+        """Who samples, and from which rows of the logits (1 + len(proposal) for a speculating sequence): a request's
+        other completions join once its prompt is computed, sharing its blocks and first logits."""
+        seqs, rows, copies, row = [], [], [], 0
         for seq in sampling:
-            starts.append(starts[-1] + 1 + len(seq.proposal))
-        now, deltas = time.perf_counter(), []
-        plain = [(seq, row) for seq, row in zip(sampling, starts) if not seq.proposal]
+            seqs.append(seq)
+            rows.append(list(range(row, row + 1 + len(seq.proposal))))
+            row += 1 + len(seq.proposal)
+            for child in seq.children:
+                if (pairs := self.scheduler.fork(seq, child)) is not None:
+                    copies += pairs
+                    seqs.append(child)
+                    rows.append(rows[-1])
+            seq.children = []
+        self.pool.copy_blocks(copies)
+        return seqs, rows
+
+    def _sample(self, seqs: list[Sequence], rows: list[list[int]], logits: torch.Tensor) -> list[Sampled]:
+        """Each sequence's next tokens from its rows of the logits [R, V]; a proposal is verified."""
+        plain = [(seq, r[0]) for seq, r in zip(seqs, rows) if not seq.proposal]
+        speculating = [(seq, r) for seq, r in zip(seqs, rows) if seq.proposal]
+        sampled = []
         if plain:
-            seqs, rows = self._fork(plain)
-            histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in seqs]
-            picked = logits if rows == list(range(len(logits))) else logits[rows]  # no copy in the common case
-            self._mask(picked, [(s, [i]) for i, s in enumerate(seqs) if s.matcher is not None])
-            tokens, logprobs = sample_rows(picked, [s.params for s in seqs], [s.generator for s in seqs],
-                                           histories, [s.banned() for s in seqs], [s.output_ids for s in seqs])
-            deltas += [self._append(seq, [token], lp and [lp], now) for seq, token, lp in zip(seqs, tokens, logprobs)]
-        speculating = [(seq, list(range(row, row + 1 + len(seq.proposal)))) for seq, row in zip(sampling, starts)
-                       if seq.proposal]
-        self._mask(logits, [(seq, rows) for seq, rows in speculating if seq.matcher is not None])
-        for seq, rows in speculating:
-            deltas.append(self._verify(seq, logits[rows[0] : rows[-1] + 1], now))
+            ss, picked = [s for s, _ in plain], [r for _, r in plain]
+            picked = logits if picked == list(range(len(logits))) else logits[picked]  # no copy in the common case
+            self._mask(picked, [(s, [i]) for i, s in enumerate(ss) if s.matcher is not None])
+            histories = [s.token_ids if s.params.repetition_penalty != 1 else None for s in ss]
+            tokens, logprobs = sample_rows(picked, [s.params for s in ss], [s.generator for s in ss], histories,
+                                           [s.banned() for s in ss], [s.output_ids for s in ss])
+            sampled += [Sampled(seq, [token], lp and [lp], False) for seq, token, lp in zip(ss, tokens, logprobs)]
+        self._mask(logits, [(seq, r) for seq, r in speculating if seq.matcher is not None])
+        sampled += [Sampled(seq, self._verify(seq, logits[r[0] : r[-1] + 1]), None, True) for seq, r in speculating]
+        return sampled
+
+    def postprocess(self, sampled: list[Sampled]) -> list[Delta]:
+        """Append each sequence's tokens (postprocess.append: detokenize, finish), make its computed blocks findable,
+        and drop it once finished; the deltas, in order."""
+        now, deltas = time.perf_counter(), []
+        for seq, tokens, logprobs, verified in sampled:
+            deltas.append(append(seq, tokens, logprobs, self.tokenizer, now))
+            self.scheduler.commit(seq, min(seq.num_computed, len(seq.token_ids)))
+            if verified and self.drafter is not None:
+                self.drafter.rewind(seq)
+            if seq.finished:
+                self.scheduler.finish(seq)
+                if all(s.finished for s in self.requests.get(seq.request_id, [])):
+                    del self.requests[seq.request_id]
         return deltas
 
     @torch.inference_mode()  # the logits are inference tensors: changed in place only inside the mode
@@ -200,8 +246,8 @@ class Engine:
             if seq.proposal and seq.matcher is not None:  # drafted tokens the grammar refuses are not worth a row
                 seq.proposal = seq.proposal[: seq.matcher.validate(seq.proposal)]
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, now: float) -> Delta:
-        """Accept the longest right prefix of the proposal and one more token  # logits [1 + k, V].
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+        """The longest right prefix of the proposal and one more token  # logits [1 + k, V].
         Greedy: while the proposal equals the argmax; sampled: the exact rejection rule (speculative.verify), against
         the draft's distributions (a lookup proposal is certain)."""
         proposal, seq.proposal = seq.proposal, []
@@ -218,10 +264,7 @@ class Engine:
         self.spec_accepted += accepted
         for i in range(accepted):
             self.spec_accepted_per_pos[i] += 1
-        delta = self._append(seq, proposal[:accepted] + [following], None, now)
-        if self.drafter is not None:
-            self.drafter.rewind(seq)
-        return delta
+        return proposal[:accepted] + [following]
 
     def _prompt_logprobs(self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
         """Each prompt token's log-probability given the ones before it, with the top alternatives
@@ -231,57 +274,6 @@ class Engine:
             nxt = seq.prompt_ids[position + 1 : position + 1 + n]
             seq.prompt_logprobs += token_logprobs(logits[at : at + n], nxt, seq.params.prompt_logprobs, ranks=True)
             at += n
-
-    def _fork(self, sampling: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int]]:
-        """(sequence, logits row) to sample; a request's other completions join once its prompt is computed,
-        sharing its blocks and first logits."""
-        seqs, rows, copies = [], [], []
-        for seq, row in sampling:
-            seqs.append(seq)
-            rows.append(row)
-            for child in seq.children:
-                pairs = self.blocks.fork(seq, child)
-                if pairs is None:  # no block for the copy: it computes its prompt itself (prefix cache helps)
-                    self.scheduler.add(child)
-                    continue
-                copies += pairs
-                child.num_computed = seq.num_computed
-                self.scheduler.running.append(child)
-                seqs.append(child)
-                rows.append(row)
-            seq.children = []
-        self.pool.copy_blocks(copies)
-        return seqs, rows
-
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None, now: float) -> Delta:
-        """Add sampled tokens (several after an accepted proposal) until one finishes the sequence."""
-        first = seq.first_token_time is None
-        seq.first_token_time = seq.first_token_time or now
-        text, added = "", []
-        for token in tokens:
-            seq.token_ids.append(token)
-            added.append(token)
-            text += seq.detokenizer.add(token, self.tokenizer)
-            seq.finish_reason = seq.detokenizer.finish_reason
-            if seq.matcher is not None and seq.finish_reason is None:
-                seq.matcher.accept(token)  # allowed: the mask saw to it
-                if seq.matcher.done:  # only an end of sequence could follow
-                    seq.finish_reason = "stop"
-                    text += seq.detokenizer.flush(len(seq.detokenizer.text))
-            if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
-                seq.finish_reason = "length"
-                text += seq.detokenizer.flush(len(seq.detokenizer.text))
-            if seq.finished:
-                break
-        if logprobs is not None:
-            seq.logprobs += logprobs
-        self.blocks.commit(seq, min(seq.num_computed, len(seq.token_ids)))
-        if seq.finished:
-            self.scheduler.finish(seq)
-            if all(s.finished for s in self.requests.get(seq.request_id, [])):
-                del self.requests[seq.request_id]
-        prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
-        return Delta(seq.request_id, seq.index, text, added, seq.finish_reason, logprobs, prompt_logprobs)
 
 
 def request_output(seqs: list[Sequence]) -> RequestOutput:

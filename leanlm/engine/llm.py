@@ -8,31 +8,36 @@ import itertools
 import sys
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
+from leanlm.engine.config import EngineConfig, engine_config
 from leanlm.engine.engine import Engine, request_output
 from leanlm.engine.sequence import Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.sampling import SamplingParams
-from leanlm.runtime import cpu_count, parse_memory, set_threads
+from leanlm.runtime import cpu_count, set_threads
 
 
-def _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options, quiet: bool) -> Engine:
+def _engine(model, tokenizer, dtype, device, threads, config: EngineConfig, quiet: bool) -> Engine:
+    """Load the model (and a draft named in config) if named, set the threads, build the engine."""
     if isinstance(model, (str, Path)):
-        from leanlm.api import load
+        from leanlm.models.loading import load
 
         model, tokenizer = load(model, dtype, device)
     elif tokenizer is None:
         raise LeanLMError("LLM(model) with a model object needs its tokenizer too: LLM(model, tokenizer)")
-    if isinstance(draft := engine_options.get("draft"), (str, Path)):
-        from leanlm.api import load
+    if config.draft_by_name:
+        from leanlm.models.loading import load
 
-        engine_options["draft"], draft_tokenizer = load(draft, dtype, device)
+        draft, draft_tokenizer = load(config.draft, dtype, device)
         if not tokenizer.same_vocabulary(draft_tokenizer):
-            raise LeanLMError(f"draft {draft}: its tokenizer is not the target's; speculation needs one vocabulary")
+            raise LeanLMError(f"draft {config.draft}: its tokenizer is not the target's; speculation needs one "
+                              "vocabulary")
+        config = replace(config, draft=draft)
     if model.device.type == "cpu":  # batches are compute-bound: every core helps (override with threads=)
         set_threads(threads or cpu_count())
-    engine = Engine(model, tokenizer, parse_memory(kv_cache_memory, model.device), **engine_options)
+    engine = Engine(model, tokenizer, config)
     if not quiet:
         print(f"leanlm: {engine.describe()}", file=sys.stderr)
     return engine
@@ -45,16 +50,17 @@ class EngineStopped(LeanLMError):
 class LLM:
     """leanlm.LLM("smollm2-135m").generate(prompts, SamplingParams(...)) -> one RequestOutput per prompt.
 
-    Engine options: kv_cache_memory ("1GiB", bytes, or a fraction of free memory such as 0.2), block_size,
-    max_num_seqs, max_num_batched_tokens, prefix_caching, kv_cache_dtype ("auto" or "int8"), compile (decode
-    steps as compiled graphs: fastest at few sequences, each batch bucket compiles once), deterministic (a
-    request's output independent of its batch, chunking and speculation), prompt_lookup (n-gram size, 0 = off)
-    num_speculative (tokens proposed per step) and draft (a model of the same tokenizer, or its name or path, that
-    proposes them)."""
+    The engine's options: `config=EngineConfig(...)` (leanlm.engine.config), or its fields as keywords, set over
+    config when both are given: kv_cache_memory ("1GiB", bytes, or a fraction of free memory such as 0.2),
+    block_size, max_num_seqs, max_num_batched_tokens, prefix_caching, kv_cache ("auto": the model's dtype, or
+    "int8"), compile (decode steps as compiled graphs: fastest at few sequences, each batch bucket compiles once),
+    deterministic (a request's output independent of its batch, chunking and speculation), prompt_lookup (n-gram
+    size, 0 = off), num_speculative (tokens proposed per step) and draft (a model of the same tokenizer, or its name
+    or path, that proposes them)."""
 
-    def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
-                 kv_cache_memory: str | int | float = "1GiB", quiet: bool = False, **engine_options):
-        self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options, quiet)
+    def __init__(self, model, tokenizer=None, *, config: EngineConfig | None = None, dtype=None, device=None,
+                 threads: int | None = None, quiet: bool = False, **options):
+        self.engine = _engine(model, tokenizer, dtype, device, threads, engine_config(config, **options), quiet)
         self._ids = itertools.count()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
@@ -105,8 +111,10 @@ class AsyncLLM:
     Requests are tokenized and checked on the caller's thread; the engine thread steps whenever there is work
     and hands each Delta to the asyncio loop of the request's caller."""
 
-    def __init__(self, model, tokenizer=None, *, dtype=None, device=None, threads: int | None = None,
-                 kv_cache_memory: str | int | float = "1GiB", quiet: bool = False, **engine_options):
+    def __init__(self, model, tokenizer=None, *, config: EngineConfig | None = None, dtype=None, device=None,
+                 threads: int | None = None, quiet: bool = False, **options):
+        """As LLM's: config and its fields as keywords."""
+        config = engine_config(config, **options)
         self._ids = itertools.count()
         self._inbox: list = []  # ("add", seqs) / ("abort", id), applied by the engine thread between steps
         self._wake = threading.Condition()
@@ -120,7 +128,7 @@ class AsyncLLM:
 
         def build_then_loop():
             try:
-                self.engine = _engine(model, tokenizer, dtype, device, threads, kv_cache_memory, engine_options, quiet)
+                self.engine = _engine(model, tokenizer, dtype, device, threads, config, quiet)
             except BaseException as e:
                 failed.append(e)
                 return

@@ -3,16 +3,28 @@ padding) through the paged cache; returns the logits of the sequences that sampl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from leanlm.cache.paged import KVPool
 from leanlm.cache.paged_attention import PagedStep, paged_kernel
 from leanlm.engine.compiled import BUCKETS
+from leanlm.engine.scheduler import ScheduledBatch
 from leanlm.engine.sequence import Sequence
 from leanlm.errors import LeanLMError
 from leanlm.models.transformer import Transformer
 
 TILE = 16  # rows of every product in deterministic mode
+
+
+class Forward(NamedTuple):
+    """A step's forward: the sequences that reach their last token (they sample), the logits [R + P, V]: first
+    their rows (one each, 1 + len(proposal) for a speculating one), then P rows of prompt positions whose next
+    token's log-probability was asked for, and those as (sequence, first position, rows)."""
+    sampling: list[Sequence]
+    logits: torch.Tensor
+    prompt_rows: list[tuple[Sequence, int, int]]
 
 
 class Runner:
@@ -34,34 +46,30 @@ class Runner:
                               "bfloat16) and a C++ compiler to build the kernel")
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, list]:
-        """Feed each sequence its next n tokens; (the sequences that reach their last token, the logits [R + P, V]:
-        first their rows (one each, 1 + len(proposal) for a speculating one), then P rows of prompt positions
-        whose next token's log-probability was asked for, and those as (sequence, first position, rows))."""
+    def run(self, batch: ScheduledBatch) -> Forward:
+        """Feed each sequence its next n tokens, its keys and values written and read at the batch's block tables."""
         if self.deterministic:
             return self._run_tiles(batch)
         dev = self.model.device
-        if self.compiled is not None and len(batch) <= BUCKETS[-1] and all(n == 1 for _, n in batch):
-            seqs = [s for s, _ in batch]
-            return seqs, self.compiled.run([s.block_table for s in seqs], [s.num_computed for s in seqs],
-                                           [s.token_ids[-1] for s in seqs]), []
+        if self.compiled is not None and len(batch) <= BUCKETS[-1] and all(n == 1 for n in batch.counts):
+            return Forward(batch.seqs, self.compiled.run(batch.block_tables, batch.starts,
+                                                         [s.token_ids[-1] for s in batch.seqs]), [])
         tokens, positions = [], []
-        for seq, n in batch:
+        for (seq, n), start in zip(batch, batch.starts):
             tokens.extend(seq.fed(n))
-            positions.extend(range(seq.num_computed, seq.num_computed + n))
+            positions.extend(range(start, start + n))
         sampling, rows, prompt_rows = _rows(batch)
-        step = PagedStep(self.pool, [s.block_table for s, _ in batch], [s.num_computed for s, _ in batch],
-                         [n for _, n in batch], dev)
+        step = PagedStep(self.pool, batch.block_tables, batch.starts, batch.counts, dev)
         logits = self.model(torch.tensor([tokens], device=dev), torch.tensor([positions], device=dev), step,
                             rows=torch.tensor(rows, dtype=torch.long, device=dev))
-        return sampling, logits[0], prompt_rows
+        return Forward(sampling, logits[0], prompt_rows)
 
-    def _run_tiles(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, list]:
+    def _run_tiles(self, batch: ScheduledBatch) -> Forward:
         """Every token a single query, TILE at a time; padding rows write the scratch block."""
         dev, pad = self.model.device, ([self.scratch], 0, 0)  # (block table, position, token)
         queries = []
-        for seq, n in batch:
-            queries += [(seq.block_table, seq.num_computed + i, t) for i, t in enumerate(seq.fed(n))]
+        for (seq, n), table, start in zip(batch, batch.block_tables, batch.starts):
+            queries += [(table, start + i, t) for i, t in enumerate(seq.fed(n))]
         sampling, rows, prompt_rows = _rows(batch)
         hidden = []
         for i in range(0, len(queries), TILE):
@@ -72,14 +80,14 @@ class Runner:
             hidden.append(self.model.hidden(torch.tensor([tokens], device=dev), torch.tensor([positions], device=dev),
                                             step)[0])
         if not rows:  # only prompt chunks with more to come
-            return [], torch.empty(0), []
+            return Forward([], torch.empty(0), [])
         x = torch.cat(hidden)[rows]  # [R, hidden]
         x = torch.cat([x, x.new_zeros(-len(x) % TILE, x.shape[1])])
         logits = torch.cat([self.model.logits(x[i : i + TILE]) for i in range(0, len(x), TILE)])
-        return sampling, logits[: len(rows)], prompt_rows
+        return Forward(sampling, logits[: len(rows)], prompt_rows)
 
 
-def _rows(batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[tuple[Sequence, int, int]]]:
+def _rows(batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[tuple[Sequence, int, int]]]:
     """Which rows of the step's packed tokens need logits: the sampling sequences' rows, then the prompt rows whose
     log-probabilities were asked for; (sampling sequences, row indices, (sequence, first position, rows))."""
     sampling, rows, prompt, prompt_rows, end = [], [], [], [], 0

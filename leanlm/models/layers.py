@@ -76,23 +76,29 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache, mask, is_causal):
+        """x [B, T, hidden] -> [B, T, hidden]. With a cache (cache.base.KVCache), it stores this step's keys and
+        values and attends; without one, the T tokens attend to each other (mask, is_causal as the cache's
+        attention_mask would give them)."""
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
-        if hasattr(cache, "attend"):  # an engine step (cache.paged_attention): B = 1, T packed tokens
-            q, k, v = qk[0, :, : self.n_heads], qk[0, :, self.n_heads :], qkv[0, :, self.n_heads + self.n_kv :]
-            return self.o_proj(cache.attend(self.layer, q, k, v).reshape(B, T, -1))
-        q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
-        k = qk[:, :, self.n_heads :].transpose(1, 2)  # [B, Hkv, T, D]
-        v = qkv[:, :, self.n_heads + self.n_kv :].transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # [B, Hkv, S, D]
-        if T == 1:
-            out = decode_attention(q, k, v, mask)
+        q, k, v = qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], qkv[:, :, self.n_heads + self.n_kv :]
+        if cache is None:
+            out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, is_causal)
+            out = out.transpose(1, 2)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                 enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            out = cache.attend(self.layer, q, k, v, mask, is_causal)  # [B, T, H, D]
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    is_causal: bool) -> torch.Tensor:
+    """Attention over keys laid out contiguously per row (no cache, or a static one): one query per row by
+    decode_attention, more by SDPA.  q [B, H, T, D]; k, v [B, Hkv, S, D]; mask [B, 1, T, S] or None -> [B, H, T, D]"""
+    if q.shape[2] == 1:
+        return decode_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -12,7 +12,9 @@ from leanlm.lowbit import record
 from leanlm.models.config import ModelConfig
 from leanlm.models.layers import rope_table
 from leanlm.models.transformer import Transformer
-from leanlm.runtime import empty_on_huge_pages
+from leanlm.models.zoo import resolve
+from leanlm.runtime import default_dtype, empty_on_huge_pages, resolve_device
+from leanlm.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -169,3 +171,12 @@ def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
     for i in range(0, d.numel(), _CHUNK):
         n = min(_CHUNK, d.numel() - i)
         d[i:i + n].copy_(scratch[:n].copy_(s[i:i + n]))
+
+
+def load(model: str | Path, dtype: str | torch.dtype | None = None, device: str | None = None,
+         progress: bool = True) -> tuple[Transformer, Tokenizer]:
+    """A zoo name, HF directory or .gguf file -> (model, tokenizer); pulls zoo models on first use."""
+    path = resolve(str(model), progress=progress)
+    dev = resolve_device(device)
+    dt = default_dtype(dev) if dtype in (None, "auto") else parse_dtype(dtype)
+    return load_model(path, dt, dev), Tokenizer(path)

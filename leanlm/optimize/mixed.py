@@ -25,7 +25,7 @@ def sensitivity(source: Path, root: Path, tokens: int = TOKENS, status=lambda te
         return Sensitivity.from_dict(json.loads(path.read_text()))
     import torch
 
-    from leanlm.api import load
+    from leanlm.models.loading import load
     from leanlm.eval.datasets import load_text
 
     net, tok = load(source, "float32", "cpu", progress=False)

@@ -17,7 +17,7 @@ import time
 
 def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: str, compiled: bool, cpp_wrapper: bool,
             threads: int | None, prompt_tokens: int, new_tokens: int, concurrency: int) -> dict:
-    from leanlm.api import load
+    from leanlm.models.loading import load
     from leanlm.bench.latency import bench
     from leanlm.cache.static import StaticCache
     from leanlm.cache.int8 import Int8KVCache
@@ -59,8 +59,7 @@ def _throughput(net, tok, kv_cache: str, n: int, prompt_tokens: int, new_tokens:
 
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, net.config.vocab_size, (n, prompt_tokens), generator=gen).tolist()
-    llm = LLM(net, tok, quiet=True, max_num_seqs=n, kv_cache_dtype="int8" if kv_cache == "int8" else "auto",
-              prompt_lookup=prompt_lookup)
+    llm = LLM(net, tok, quiet=True, max_num_seqs=n, kv_cache=kv_cache, prompt_lookup=prompt_lookup)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:2], params, progress=False)  # warm-up
     start = time.perf_counter()

@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
 
 from leanlm.errors import LeanLMError
 from leanlm.optimize.variants import Variant, digest
@@ -170,7 +169,7 @@ class Sweep:
         return Measured(**json.loads(path.read_text()))  # as a resumed sweep will read it (tuples as lists)
 
     def build(self, variant: Variant) -> tuple[Path, float]:
-        """The variant's model directory, made by `leanlm quantize/prune --recipe` in a fresh process once."""
+        """The variant's model directory, made once by the recipe pipeline in a fresh process (leanlm.pipeline)."""
         if not variant.builds_model:
             return self.source, 0.0
         s = self.settings
@@ -185,13 +184,12 @@ class Sweep:
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # the same file system: the rename below is atomic
-            recipe = Path(tmp) / "recipe.yaml"
-            recipe.write_text(yaml.safe_dump(list(variant.steps)))
-            cmd = [sys.executable, "-m", "leanlm.cli", "prune" if variant.prunes else "quantize", str(self.source),
-                   "--recipe", str(recipe), "-o", str(Path(tmp) / "model"), "--samples", str(s.samples),
-                   "--seq-len", str(s.seq_len), "--dtype", variant.dtype] + (["--data", s.data] if s.data else [])
+            verb = "prune" if variant.prunes else "quantize"  # quantize adds an int8 lm_head to 4-bit weights
+            args = {"model": str(self.source), "recipe": list(variant.steps), "out": str(Path(tmp) / "model"),
+                    "samples": s.samples, "seq_len": s.seq_len, "dtype": variant.dtype, "data": s.data or None}
             start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-m", "leanlm.pipeline", verb, json.dumps(args)],
+                                  capture_output=True, text=True)
             seconds = time.perf_counter() - start
             if proc.returncode:
                 raise LeanLMError(f"building variant {variant.name} failed: {_last_line(proc.stderr)}")
@@ -213,7 +211,7 @@ class Sweep:
         if path.exists():
             return json.loads(path.read_text())
         self.status(f"{variant.name}: quality")
-        from leanlm.api import load
+        from leanlm.models.loading import load
         from leanlm.bench.compare import sizes
         from leanlm.cache.int8 import Int8KVCache
         from leanlm.eval.perplexity import score
@@ -238,14 +236,14 @@ class Sweep:
 
         self.status(f"{variant.name}: HumanEval")
         problems = load_problems(self.settings.humaneval)
-        completions = generate_completions(net, tok, problems, kv_cache_dtype="int8" if variant.kv_cache == "int8" else "auto")
+        completions = generate_completions(net, tok, problems, kv_cache=variant.kv_cache)
         return evaluate(completions, problems).pass_at[1]
 
     def _reference_and_ids(self):
         if self._reference is None:
             import torch
 
-            from leanlm.api import load
+            from leanlm.models.loading import load
             from leanlm.eval.datasets import load_text
 
             self._reference, tok = load(self.source, self.settings.reference_dtype, "cpu", progress=False)

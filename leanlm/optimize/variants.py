@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from leanlm.compress.registry import method
+from leanlm.pipeline import method
+from leanlm.engine.config import check_kv_cache
 from leanlm.errors import LeanLMError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -18,13 +19,13 @@ DTYPES = ("bfloat16", "float16", "float32")
 @dataclass(frozen=True)
 class Variant:
     """One point of the sweep: `steps` as `leanlm quantize/prune --recipe` takes them (none: the model as it is),
-    in `dtype`, decoding with a 16-bit or int8 KV cache, optionally speculating with prompt lookup (n-grams up to
-    `prompt_lookup`) or with a `draft` model of the same tokenizer."""
+    in `dtype`, decoding with a KV cache in that dtype (kv_cache auto) or int8, optionally speculating with prompt
+    lookup (n-grams up to `prompt_lookup`) or with a `draft` model of the same tokenizer."""
 
     name: str
     steps: tuple[dict, ...] = ()
     dtype: str = "bfloat16"
-    kv_cache: str = "16"
+    kv_cache: str = "auto"
     prompt_lookup: int = 0
     draft: str = ""
     notes: str = ""
@@ -32,8 +33,7 @@ class Variant:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise LeanLMError(f"variant {self.name}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache not in ("16", "int8"):
-            raise LeanLMError(f"variant {self.name}: kv_cache must be 16 or int8, got {self.kv_cache!r}")
+        check_kv_cache(self.kv_cache, f"variant {self.name}: kv_cache")
         if self.draft and self.prompt_lookup:
             raise LeanLMError(f"variant {self.name}: speculate with a draft or with prompt lookup, not both")
         for step in self.steps:
@@ -130,7 +130,7 @@ def read_variants(spec: str | Path) -> tuple[Variant, ...]:
         if extra:
             raise LeanLMError(f"{path}: variant {item['name']} has unknown keys {sorted(extra)}; known: {sorted(known)}")
         variants.append(Variant(**{**item, "name": str(item["name"]), "steps": tuple(item.get("steps") or ()),
-                                   "kv_cache": str(item.get("kv_cache", "16"))}))
+                                   "kv_cache": str(item.get("kv_cache", "auto"))}))
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise LeanLMError(f"{path}: variant names must be unique")

@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from leanlm.cache.static import StaticCache
 from leanlm.errors import LeanLMError
+from leanlm.models.loading import load
 
 METHODS = ("llmlingua", "longllmlingua", "selective", "random")
 NUMBER = r"\d+(?:[.,:]\d+)*"
@@ -211,8 +213,6 @@ class _Stream:
     model with the next segment so that every cached token sits at its compressed position."""
 
     def __init__(self, net, capacity: int, prefix: list[int] = ()):
-        from leanlm.cache.static import StaticCache
-
         self.net = net
         self.cache = StaticCache(net.config, 1, capacity, net.dtype, net.device)
         self.pending = list(prefix)  # kept, not yet in the cache
@@ -260,8 +260,6 @@ class PromptCompressor:
     def __init__(self, scorer: str = "smollm2-135m", dtype: str | None = None, device: str | None = "cpu",
                  progress: bool = True, model=None):
         if model is None:
-            from leanlm.api import load
-
             model = load(scorer, dtype, device, progress=progress)
         self.net, self.tok = model
         self.name = scorer

@@ -1,4 +1,4 @@
-"""The server's prompt compression: a request's prompt (or its chat's last user message) cut by compress.prompt
+"""The server's prompt compression: a request's prompt (or its chat's last user message) cut by prompt.compressor
 before it reaches the engine, with the original and compressed sizes reported in `usage`."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class PromptCompression:
         self.compressor = None if isinstance(scorer, str) else scorer
 
     async def compress(self, text: str, options) -> tuple[str, float]:
-        from leanlm.compress.prompt import PromptCompressor
+        from leanlm.prompt.compressor import PromptCompressor
 
         async with self.lock:
             if self.compressor is None:

@@ -17,7 +17,7 @@ class StreamOptions(BaseModel):
 
 
 class CompressPrompt(BaseModel):
-    """Opt-in prompt compression (compress.prompt) of the prompt, or of a chat's last user message."""
+    """Opt-in prompt compression (prompt.compressor) of the prompt, or of a chat's last user message."""
 
     model_config = ConfigDict(extra="forbid")
     rate: float | None = Field(default=None, gt=0, le=1)

@@ -12,6 +12,7 @@ cover the whole application."""
 
 from __future__ import annotations
 
+from leanlm.engine.config import EngineConfig
 from leanlm.errors import LeanLMError
 from leanlm.runtime import cpu_count
 
@@ -26,9 +27,9 @@ def _replica_class():
 
     @serve.ingress()
     class LeanLMReplica:
-        def __init__(self, model: str, name: str, api_key: str | None, max_requests: int, engine_options: dict,
-                     prompt_scorer: str, max_n: int):
-            self.llm = AsyncLLM(model, **engine_options)
+        def __init__(self, model: str, name: str, api_key: str | None, max_requests: int, config: EngineConfig,
+                     load_options: dict, prompt_scorer: str, max_n: int):
+            self.llm = AsyncLLM(model, config=config, **load_options)
             self.app_args = name, api_key, max_requests, prompt_scorer, max_n
 
         def __serve_build_asgi_app__(self):
@@ -41,10 +42,12 @@ def _replica_class():
 
 
 def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1", port: int = 8000,
-                   api_key: str | None = None, max_requests: int = 512, engine_options: dict | None = None,
+                   api_key: str | None = None, max_requests: int = 512, config: EngineConfig | None = None,
                    ray_address: str | None = None, blocking: bool = True, prompt_scorer: str = "smollm2-135m",
-                   max_n: int = 16) -> None:
-    """Start `replicas` engines on Ray Serve behind http://host:port (a local Ray instance unless ray_address)."""
+                   max_n: int = 16, **load_options) -> None:
+    """Start `replicas` engines on Ray Serve behind http://host:port (a local Ray instance unless ray_address).
+    config: every replica's engine (a draft in it by name: each replica loads its own); load_options: AsyncLLM's
+    (dtype, device, threads, quiet)."""
     try:
         import ray
         from ray import serve
@@ -52,9 +55,9 @@ def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1"
         raise LeanLMError("--replicas needs Ray Serve: pip install 'leanlm[ray]'") from None
     if replicas < 1:
         raise LeanLMError(f"--replicas must be >= 1, got {replicas}")
-    options = dict(engine_options or {})
-    # each replica's torch threads: its share of the cores (one process each; more would oversubscribe)
-    options.setdefault("threads", max(1, cpu_count() // replicas))
+    options = dict(load_options)
+    if options.get("threads") is None:  # each replica's share of the cores (one process each; more oversubscribe)
+        options["threads"] = max(1, cpu_count() // replicas)
     if not ray.is_initialized():
         if ray_address and ray_address != "local":
             ray.init(address=ray_address)
@@ -64,8 +67,8 @@ def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1"
     deployment = serve.deployment(_replica_class(), name="LeanLMReplica", num_replicas=replicas,
                                   ray_actor_options={"num_cpus": options["threads"]},
                                   max_ongoing_requests=max_requests)
-    serve.run(deployment.bind(model, name, api_key, max_requests, options, prompt_scorer, max_n), name=APP_NAME,
-              route_prefix="/", blocking=blocking)
+    serve.run(deployment.bind(model, name, api_key, max_requests, config or EngineConfig(), options, prompt_scorer,
+                              max_n), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
 def shutdown() -> None:

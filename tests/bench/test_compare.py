@@ -72,7 +72,7 @@ def test_compare_cli_json(variants):
 
 
 def test_compare_shows_each_models_sparsity(variants, tmp_path):
-    from leanlm.compress.registry import make_config
+    from leanlm.pipeline import make_config
     from leanlm.compress.sparse.save import save_float
 
     dirs, text = variants
@@ -88,7 +88,7 @@ def test_compare_shows_each_models_sparsity(variants, tmp_path):
 
 
 def test_compare_and_info_name_the_lm_head(variants, tmp_path):
-    from leanlm.compress.registry import make_config
+    from leanlm.pipeline import make_config
 
     dirs, text = variants
     model = load_model(dirs[0], torch.bfloat16)

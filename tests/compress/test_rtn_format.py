@@ -71,7 +71,7 @@ def test_cli_quantize_then_generate(tiny_dir, tmp_path):
                           (["--bits", "3"], "--bits 4 or 8"), (["--alpha", "0.5"], "rtn has no option alpha"),
                           (["--bits", "4", "--group-size", "48"], "--group-size must be one of"),
                           (["--method", "smoothquant", "--alpha", "2"], "out of range"),
-                          (["--lm-head", "5"], "8 (per-channel) or 4"), (["--samples", "0", "--method", "awq"], "--samples")]:
+                          (["--lm-head", "5"], "8 (per-channel) or 4"), (["--samples", "0", "--method", "awq"], "samples must be at least 1")]:
         r = leanlm("quantize", tiny_dir, *args, "-o", tmp_path / "never")
         assert r.returncode == 2 and message in r.stderr and not (tmp_path / "never").exists()
     r = leanlm("quantize", tiny_dir, "-o", out)
@@ -155,13 +155,13 @@ def test_other_format_version_raises(tmp_path):
 
 
 def test_4_bit_methods_default_to_an_int8_lm_head():
-    from leanlm.cli.compress import _default_lm_head
+    from leanlm.pipeline import default_lm_head
     from leanlm.compress.quant.gptq import GPTQ
-    from leanlm.compress.registry import make_config
+    from leanlm.pipeline import make_config
 
-    assert _default_lm_head([RTN(4, 32)]) == _default_lm_head([GPTQ()]) == 8
-    assert _default_lm_head([RTN(8)]) == _default_lm_head([RTN(8, act_bits=8)]) == 16
-    assert _default_lm_head([RTN(4, 32), make_config("lm_head", {"bits": 4})]) == 16  # a recipe's own head step
+    assert default_lm_head([RTN(4, 32)]) == default_lm_head([GPTQ()]) == 8
+    assert default_lm_head([RTN(8)]) == default_lm_head([RTN(8, act_bits=8)]) == 16
+    assert default_lm_head([RTN(4, 32), make_config("lm_head", {"bits": 4})]) == 16  # a recipe's own head step
 
 
 def test_per_layer_bits_last_matching_pattern_wins(tmp_path):

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leanlm.compress.distill import data
-from leanlm.compress.distill.data import Example
+from leanlm.distillation import data
+from leanlm.eval import corpus
+from leanlm.eval.corpus import Example
 from leanlm.errors import LeanLMError
 from leanlm.generation.sampling import SamplingParams
 from tests.conftest import make_hf_model, make_tokenizer
@@ -173,21 +174,21 @@ def test_the_corpus_round_trips_and_renders_as_training_text(tmp_path, dirs):
 
     examples = [Example("hello", " world", "label"), Example([{"role": "user", "content": "héllo"}], "hi", "feedback", -1.5)]
     path = tmp_path / "corpus.jsonl"
-    data.write_corpus(path, examples)
-    assert data.read_corpus(path) == examples
+    corpus.write_corpus(path, examples)
+    assert corpus.read_corpus(path) == examples
     tok = Tokenizer(dirs[0])
     chat = "<s>user: héllo</s><s>assistant: hi</s>"
-    assert data.corpus_text(path, tok) == load_text(path, tokenizer=tok) == "hello world</s>" + chat
+    assert corpus.corpus_text(path, tok) == load_text(path, tokenizer=tok) == "hello world</s>" + chat
     with pytest.raises(LeanLMError, match="chat template"):
         load_text(path)  # a chat corpus needs the tokenizer
-    data.write_corpus(path, examples[:1])
+    corpus.write_corpus(path, examples[:1])
     assert load_text(path) == "hello world"  # no chats, no tokenizer: plain documents
     (tmp_path / "plain.txt").write_text("plain text\n")
     assert load_text(tmp_path / "plain.txt") == "plain text\n" and load_text(tmp_path) == "plain text"
     with pytest.raises(TypeError):  # a failed write leaves the old corpus and no temporary file
-        data.write_corpus(path, [Example("a", "b", "label", score=object())])
+        corpus.write_corpus(path, [Example("a", "b", "label", score=object())])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "plain.txt"]
-    assert data.read_corpus(path) == examples[:1]
+    assert corpus.read_corpus(path) == examples[:1]
 
 
 def test_the_verb_writes_a_corpus_that_distill_trains_on(dirs, tmp_path):
@@ -195,15 +196,15 @@ def test_the_verb_writes_a_corpus_that_distill_trains_on(dirs, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS) + json.dumps(
         {"messages": [{"role": "user", "content": "hello"}]}) + "\n")
-    corpus = tmp_path / "corpus.jsonl"
+    written = tmp_path / "corpus.jsonl"
     r = leanlm("distill-data", teacher, "--feedback", prompts, "--student", student, "--samples", "2", "--correct",
-               "--tau", "0.05", "--max-tokens", "8", "--dtype", "float32", "--threads", "1", "-o", corpus)
+               "--tau", "0.05", "--max-tokens", "8", "--dtype", "float32", "--threads", "1", "-o", written)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines() == [r.stdout.strip()] and "4 examples" in r.stdout
-    examples = data.read_corpus(corpus)
+    examples = corpus.read_corpus(written)
     assert len(examples) == 4 and all(e.source == "feedback+correct" and e.score < 0 for e in examples)
     assert isinstance(examples[3].prompt, list)
-    r = leanlm("distill", "--teacher", teacher, "--student", student, "--data", corpus, "--steps", "2", "--batch-size",
+    r = leanlm("distill", "--teacher", teacher, "--student", student, "--data", written, "--steps", "2", "--batch-size",
                "2", "--seq-len", "16", "--eval-tokens", "64", "-o", tmp_path / "out")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "out" / "distill.json").read_text())["history"]["steps"] == [0, 1]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from leanlm.compress.distill.trainer import DistillConfig
+from leanlm.distillation.trainer import DistillConfig
 from leanlm.models.loading import load_model
 from tests.test_cli import leanlm
 
@@ -21,7 +21,8 @@ def _text(tmp_path):
 
 def _pruned(tiny_dir, out):
     """tiny_dir with half of every projection's weights zeroed, and its pruning.json."""
-    from leanlm.compress.registry import apply, make_config
+    from leanlm.compress.registry import apply
+    from leanlm.pipeline import make_config
     from leanlm.compress.sparse.save import save_float
 
     model = load_model(tiny_dir, torch.float32)
@@ -126,3 +127,27 @@ def test_bad_input_is_one_clear_line(tiny_dir, tmp_path):
                "-o", tmp_path / "z")
     assert r.returncode != 0 and "has 2 layers" in r.stderr and not (tmp_path / "z").exists()
     assert DistillConfig(steps=1).loss == "fkl"
+
+
+def test_the_library_call_writes_what_the_verb_writes(tiny_dir, tmp_path):
+    """leanlm.distill(...) is the verb's run: same student weights (the run is seeded), the model handed back is
+    the one saved; a bad option is one clear error before any model loads."""
+    from leanlm import distill
+    from leanlm.errors import LeanLMError
+
+    text = _text(tmp_path)
+    options = dict(steps=2, batch_size=2, seq_len=16, eval_tokens=64, lr=1e-3)
+    done = distill(tiny_dir, tmp_path / "lib", student_from=tiny_dir, keep=1, data=text, progress=False, **options)
+    r = leanlm("distill", "--teacher", tiny_dir, "--student-from", tiny_dir, "--keep-layers", "1", "--data", text,
+               "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "64", "--lr", "1e-3",
+               "-o", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    lib, cli = load_model(tmp_path / "lib", torch.float32), load_model(tmp_path / "cli", torch.float32)
+    assert lib.config.num_layers == 1 and done.steps == 2 and len(done.history.evals) >= 2
+    for (name, a), b in zip(lib.state_dict().items(), cli.state_dict().values()):
+        assert torch.equal(a, b), name
+    ids, positions = torch.tensor([[1, 5, 9]]), torch.arange(3)[None]
+    assert torch.equal(done.model(ids, positions), load_model(tmp_path / "lib", torch.bfloat16)(ids, positions))
+    with pytest.raises(LeanLMError, match="no option stepz"):
+        distill(tiny_dir, tmp_path / "never", student=tiny_dir, stepz=1)
+    assert not (tmp_path / "never").exists()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanlm.compress.distill.features import captured, mixed_samples, uniform_layer_map
-from leanlm.compress.distill.trainer import DistillConfig, Trainer
+from leanlm.distillation.features import captured, mixed_samples, uniform_layer_map
+from leanlm.distillation.trainer import DistillConfig, Trainer
 from leanlm.errors import LeanLMError
 from leanlm.models.loading import load_model
 from tests.conftest import make_hf_model

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from leanlm.compress.distill import losses
+from leanlm.distillation import losses
 
 V = 7
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanlm.compress.distill.qat import QAT, FakeQuantLinear, export, prepare, straight_through
-from leanlm.compress.distill.trainer import DistillConfig, Trainer
+from leanlm.distillation.qat import QAT, FakeQuantLinear, export, prepare, straight_through
+from leanlm.distillation.trainer import DistillConfig, Trainer
 from leanlm.compress.quant import format as qformat
 from leanlm.compress.registry import decoder_linears
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.primitives import QuantSpec
 from leanlm.models.loading import load_model
-from tests.compress.distill.test_trainer import IDS
+from tests.distillation.test_trainer import IDS
 from tests.conftest import make_hf_model
 
 

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from leanlm.compress.registry import apply, make_config
+from leanlm.compress.registry import apply
+from leanlm.pipeline import make_config
 from leanlm.errors import LeanLMError
 from leanlm.eval.perplexity import score
 from leanlm.models.loading import load_model

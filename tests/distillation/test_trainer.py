@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import make_hf_model
-from leanlm.compress.distill.trainer import (LOSSES, DistillConfig, Trainer, gradual_sparsity, learning_rate,
+from leanlm.distillation.trainer import (LOSSES, DistillConfig, Trainer, gradual_sparsity, learning_rate,
                                              plot_history)
 from leanlm.compress.registry import decoder_linears
 from leanlm.errors import LeanLMError

@@ -8,7 +8,7 @@ from tests.conftest import make_hf_model, make_tokenizer
 from tests.engine.test_engine import blocks_for, one_by_one, prompts, repetitive
 from tests.generation.test_speculative import CHI2_DF7_P001, chi2
 
-from leanlm.engine import Engine, LLM
+from leanlm.engine import Engine, EngineConfig, LLM
 from leanlm.errors import LeanLMError
 from leanlm.generation.sampling import SamplingParams, probabilities
 from leanlm.models.loading import load_model
@@ -42,8 +42,8 @@ def test_greedy_with_a_draft_equals_the_target_alone(pair, blocks, preempts):
     ps = repetitive(6, seed=4) + prompts(6)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     memory = 1 << 24 if blocks is None else blocks_for(target, blocks) + blocks_for(draft, blocks)
-    engine = Engine(target, tok, block_size=4, kv_cache_memory=memory, draft=draft, num_speculative=3,
-                    max_num_batched_tokens=48)
+    engine = Engine(target, tok, EngineConfig(block_size=4, kv_cache_memory=memory, draft=draft, num_speculative=3,
+                                              max_num_batched_tokens=48))
     assert run(engine, ps, params) == one_by_one(target, ps, params)
     assert 0 < engine.spec_accepted <= engine.spec_proposed and engine.spec_drafts > 0
     assert sum(engine.spec_accepted_per_pos) == engine.spec_accepted
@@ -63,8 +63,8 @@ def test_sampled_tokens_with_a_draft_follow_the_target(tmp_path):
         seqs = torch.tensor([prompt + [t] for t in range(8)])
         q2 = probabilities(target(seqs, torch.arange(4)[None].expand(8, -1))[:, -1], params)
         marginal = (q1[:, None] * q2).sum(0)
-    engine = Engine(target, Tokenizer(tmp_path / "t"), block_size=4, kv_cache_memory=1 << 24, draft=draft,
-                    num_speculative=2)
+    engine = Engine(target, Tokenizer(tmp_path / "t"), EngineConfig(block_size=4, kv_cache_memory=1 << 24,
+                                                                    draft=draft, num_speculative=2))
     counts = torch.zeros(8)
     for seed in range(0, 1500, 250):  # 250 sequences per batch, each with its own seed
         seqs = [engine.add_request(str(s), prompt, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True,
@@ -80,7 +80,7 @@ def test_sampled_tokens_with_a_draft_follow_the_target(tmp_path):
 def test_a_draft_with_another_vocabulary_or_beside_prompt_lookup_is_refused(pair, tiny_dir):
     target, tok, draft = pair
     with pytest.raises(LeanLMError, match="not both"):
-        Engine(target, tok, kv_cache_memory=1 << 24, draft=draft, prompt_lookup=3)
+        Engine(target, tok, EngineConfig(kv_cache_memory=1 << 24, draft=draft, prompt_lookup=3))
     make_tokenizer(tiny_dir, vocab_size=50)  # another vocabulary
     with pytest.raises(LeanLMError, match="tokenizer is not the target's"):
         LLM(target, tok, quiet=True, kv_cache_memory=1 << 24, draft=str(tiny_dir))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from leanlm.cache.paged import KVPool
-from leanlm.engine import LLM, Engine
+from leanlm.engine import LLM, Engine, EngineConfig
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
@@ -49,7 +49,7 @@ def test_concurrent_and_staggered_requests_equal_one_by_one(tiny, options, preem
     options = dict(options)
     if "blocks" in options:
         options["kv_cache_memory"] = blocks_for(model, options.pop("blocks"))
-    engine = Engine(model, tok, **options)
+    engine = Engine(model, tok, EngineConfig(**options))
     ps = prompts(18)
     expected = one_by_one(model, ps)
     seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps[:10])]
@@ -67,7 +67,7 @@ def test_concurrent_and_staggered_requests_equal_one_by_one(tiny, options, preem
 
 def test_prefix_cache_skips_the_shared_prompt(tiny):
     model, tok = tiny
-    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24)
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24))
     first = prompts(1)[0]
     (a,) = engine.add_request("a", first, GREEDY)
     while engine.has_work:
@@ -80,7 +80,7 @@ def test_prefix_cache_skips_the_shared_prompt(tiny):
 
 def test_n_completions_share_the_prompt_blocks(tiny):
     model, tok = tiny
-    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, prefix_caching=False)
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, prefix_caching=False))
     params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=5, ignore_eos=True)
     seqs = engine.add_request("r", list(range(3, 33)), params)  # 30 tokens: 7 full blocks and a partial one
     engine.step()
@@ -95,7 +95,8 @@ def test_n_completions_share_the_prompt_blocks(tiny):
 
 def test_abort_anywhere_frees_everything(tiny):
     model, tok = tiny
-    engine = Engine(model, tok, block_size=4, kv_cache_memory=blocks_for(model, 60), max_num_batched_tokens=24)
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=blocks_for(model, 60),
+                                             max_num_batched_tokens=24))
     rng = random.Random(1)
     live = []
     for step in range(60):
@@ -120,7 +121,7 @@ def test_abort_anywhere_frees_everything(tiny):
 ])
 def test_bad_requests_are_refused_and_others_go_on(tiny, prompt, params, message):
     model, tok = tiny
-    engine = Engine(model, tok, kv_cache_memory=1 << 24)
+    engine = Engine(model, tok, EngineConfig(kv_cache_memory=1 << 24))
     (good,) = engine.add_request("good", [5, 6, 7], GREEDY)
     with pytest.raises(LeanLMError, match=message):
         engine.add_request("bad", prompt, params if isinstance(params, SamplingParams) else SamplingParams(**params))
@@ -189,7 +190,7 @@ def test_async_streams_equal_one_by_one_and_abort_frees_blocks(tiny):
 def test_compiled_decode_steps_equal_one_by_one(tiny):
     """Decode-only steps run as compiled graphs (batch padded to a bucket, padded rows writing a scratch block)."""
     model, tok = tiny
-    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, compile=True)
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, compile=True))
     assert engine.runner.compiled is not None
     ps = prompts(5, seed=4)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 9, 12, 12)]
@@ -210,7 +211,8 @@ def test_deterministic_mode_is_batch_invariant_in_bfloat16(tiny):
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
         def run(group, **options):
-            engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, deterministic=True, **options)
+            engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, deterministic=True,
+                                                     **options))
             seqs = [engine.add_request(str(i), p, params)[0] for i, p in enumerate(group)]
             while engine.has_work:
                 engine.step()
@@ -233,7 +235,7 @@ def test_quantized_models_run_in_the_engine(tmp_path, config):
     model, tok = load_model(tmp_path, torch.float32), Tokenizer(tmp_path)
     apply(model, {"w8a16": RTN(8), "w4a16": RTN(4, 32), "w8a8": RTN(8, act_bits=8)}[config])
     ps = prompts(6, seed=5)
-    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, max_num_batched_tokens=32)
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, max_num_batched_tokens=32))
     seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps)]
     while engine.has_work:
         engine.step()
@@ -250,7 +252,8 @@ def test_prompt_lookup_in_the_engine_equals_plain_greedy(tiny):
     model, tok = tiny
     ps = repetitive(8, seed=1)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, prompt_lookup=3, max_num_batched_tokens=40)
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, prompt_lookup=3,
+                                             max_num_batched_tokens=40))
     seqs = [engine.add_request(str(i), p, params)[0] for i, p in enumerate(ps)]
     while engine.has_work:
         engine.step()
@@ -271,7 +274,8 @@ def test_deterministic_mode_makes_speculation_invisible_in_bfloat16(tiny):
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         outputs = []
         for lookup in (0, 3):
-            engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, deterministic=True, prompt_lookup=lookup)
+            engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, deterministic=True,
+                                                     prompt_lookup=lookup))
             seqs = [engine.add_request(str(i), p, params)[0] for i, p in enumerate(ps)]
             while engine.has_work:
                 engine.step()
@@ -285,7 +289,7 @@ def test_stop_token_ids_and_min_tokens(tiny):
     model, tok = tiny
     prompt = prompts(1, seed=9)[0]
     first = one_by_one(model, [prompt])[0][0]
-    engine = Engine(model, tok, kv_cache_memory=1 << 24)
+    engine = Engine(model, tok, EngineConfig(kv_cache_memory=1 << 24))
     (stopped,) = engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first]))
     (held,) = engine.add_request("b", prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first],
                                                              min_tokens=3, repetition_penalty=1.3))
@@ -300,7 +304,8 @@ def test_int8_kv_pool_equals_one_by_one_with_the_int8_static_cache(tiny):
 
     model, tok = tiny
     ps = prompts(8, seed=11)
-    engine = Engine(model, tok, block_size=4, kv_cache_memory=1 << 24, kv_cache_dtype="int8", max_num_batched_tokens=32)
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, kv_cache="int8",
+                                             max_num_batched_tokens=32))
     seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps)]
     while engine.has_work:
         engine.step()

@@ -67,6 +67,7 @@ def test_variants_come_from_yaml_with_clear_errors(tmp_path):
     assert not b.prunes and Variant("p", ({"method": "wanda", "pattern": "2:4"},)).prunes
     for text, message in (("- {name: a}\n- {name: a}", "unique"), ("- {name: a, colour: red}", "unknown keys"),
                           ("[1, 2]", "list of variants"), ("- {name: a, kv_cache: 4}", "kv_cache"),
+                          ("- {name: a, kv_cache: 16}", "use auto"),
                           ("- {name: a, steps: [{method: nope}]}", "nope")):
         f.write_text(text)
         with pytest.raises(LeanLMError, match=message):
@@ -243,7 +244,7 @@ def test_a_draft_variant_is_timed_against_plain_decoding(tiny_dir):
 
     threads = torch.get_num_threads()
     try:
-        r = measure(str(tiny_dir), "float32", "16", 0, str(tiny_dir), compiled=False, cpp_wrapper=True, threads=1,
+        r = measure(str(tiny_dir), "float32", "auto", 0, str(tiny_dir), compiled=False, cpp_wrapper=True, threads=1,
                     prompt_tokens=8, new_tokens=8, concurrency=0)
     finally:
         torch.set_num_threads(threads)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.registry import apply, decoder_linears, read_recipe
+from leanlm.compress.registry import apply, decoder_linears
+from leanlm.pipeline import read_recipe
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import W4A16Linear, W8A16Linear
 from leanlm.lowbit.record import RECORD

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from leanlm.compress.prompt import (
+from leanlm.prompt.compressor import (
     PromptCompressor,
     _Stream,
     budget,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from leanlm.compress.prompt import PromptCompressor
+from leanlm.prompt.compressor import PromptCompressor
 from leanlm.eval.datasets import builtin_text
 
 pytestmark = pytest.mark.real_model

@@ -185,12 +185,12 @@ def test_a_non_streaming_client_that_leaves_is_aborted_without_an_asgi_error(ser
 
 
 def test_compile_with_what_it_cannot_compile_warns(tiny, capsys):
-    from leanlm.engine import Engine
+    from leanlm.engine import Engine, EngineConfig
 
-    Engine(*tiny, kv_cache_memory=1 << 22, compile=True, kv_cache_dtype="int8")
+    Engine(*tiny, EngineConfig(kv_cache_memory=1 << 22, compile=True, kv_cache="int8"))
     err = capsys.readouterr().err
     assert "compile is off" in err and "int8" in err
-    Engine(*tiny, kv_cache_memory=1 << 22, compile=True, deterministic=True)
+    Engine(*tiny, EngineConfig(kv_cache_memory=1 << 22, compile=True, deterministic=True))
     err = capsys.readouterr().err
     assert "compile is off" in err and "deterministic" in err
 

@@ -18,11 +18,12 @@ openai = pytest.importorskip("openai")
 def test_two_replicas_serve_one_endpoint(tiny_dir):
     from ray import serve
 
+    from leanlm.engine import EngineConfig
     from leanlm.serve.ray import APP_NAME, serve_replicas, shutdown
 
     port = free_port()
-    options = dict(dtype="float32", kv_cache_memory="16MiB", quiet=True)
-    serve_replicas(str(tiny_dir), "tiny", 2, port=port, engine_options=options, blocking=False, max_n=2)
+    serve_replicas(str(tiny_dir), "tiny", 2, port=port, config=EngineConfig(kv_cache_memory="16MiB"), blocking=False,
+                   max_n=2, dtype="float32", quiet=True)
     try:
         status = serve.status().applications[APP_NAME].deployments["LeanLMReplica"]
         assert status.replica_states == {"RUNNING": 2}

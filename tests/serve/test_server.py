@@ -157,7 +157,7 @@ def test_bad_input_gets_an_openai_error(server, payload, status, words):
 
 def test_compress_prompt_field_cuts_the_prompt_and_reports_both_sizes(server, tiny):
     """The opt-in field: the engine sees the compressed prompt, usage counts both (the served model's tokens)."""
-    from leanlm.compress.prompt import PromptCompressor
+    from leanlm.prompt.compressor import PromptCompressor
 
     model, tok = tiny
     c = client(server)

@@ -9,7 +9,7 @@ import pytest
 
 from serving import KEY, NAME, Server, openai
 
-from leanlm.api import load
+from leanlm.models.loading import load
 from leanlm.models.zoo import pull
 
 pytestmark = pytest.mark.real_model

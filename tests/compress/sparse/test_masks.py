@@ -89,7 +89,8 @@ def test_patterns_parse_fit_and_fix_the_sparsity():
 def test_decoder_sparsity_and_the_pattern_every_projection_follows(tiny, options, expected):
     import copy
 
-    from leanlm.compress.registry import apply, make_config
+    from leanlm.compress.registry import apply
+    from leanlm.pipeline import make_config
 
     model = copy.deepcopy(tiny[0])
     records = apply(model, make_config("magnitude", options))
@@ -109,7 +110,8 @@ def test_a_dense_quantized_model_shows_no_sparsity(tiny, tmp_path, bits):
 
     from leanlm.analysis.report import sparsity_table
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import apply, make_config
+    from leanlm.compress.registry import apply
+    from leanlm.pipeline import make_config
     from leanlm.models.loading import load_model
     from tests.conftest import make_hf_model
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.registry import apply, decoder_linears, make_config
+from leanlm.compress.registry import apply, decoder_linears
+from leanlm.pipeline import make_config
 from leanlm.compress.sparse.save import RECORD, save_float
 from leanlm.compress.sparse.taylor import taylor_saliency
 from leanlm.errors import LeanLMError

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanlm.compress.registry import apply, make_config
+from leanlm.compress.registry import apply
+from leanlm.pipeline import make_config
 from leanlm.compress.sparse.semi import semi_structured
 from leanlm.models.loading import load_model
 

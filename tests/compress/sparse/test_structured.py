@@ -8,7 +8,8 @@ import torch
 from leanlm.cache.static import StaticCache
 from leanlm.compress.quant import format as qformat
 from leanlm.compress.quant.rtn import RTN, Head
-from leanlm.compress.registry import apply, decoder_linears, make_config, method
+from leanlm.compress.registry import apply, decoder_linears
+from leanlm.pipeline import make_config, method
 from leanlm.compress.sparse.save import save_float
 from leanlm.compress.sparse.slicing import kv_group_scores, merge_redundant, param_count, select_top
 from leanlm.compress.sparse.structured import Heads, Layers, Neurons, calibration_loss, drop_layers

@@ -1,0 +1,93 @@
+"""EngineConfig: every option of the serving engine in one frozen dataclass, checked once when it is made."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from leanlm.errors import LeanLMError
+from leanlm.models.transformer import Transformer
+from leanlm.runtime import parse_memory
+
+KV_CACHES = ("auto", "int8")  # auto: the model's own dtype
+
+
+def check_kv_cache(value, what: str = "kv_cache") -> str:
+    """The one spelling of the KV-cache choice, checked wherever it is given (engine, CLI, optimize's variants)."""
+    if value not in KV_CACHES:
+        hint = ": use auto (16 was its old name)" if str(value) == "16" else ""
+        raise LeanLMError(f"{what} must be auto (the model's dtype) or int8, got {value!r}{hint}")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and caches (leanlm.engine.Engine, LLM, AsyncLLM, `leanlm serve`).
+
+    kv_cache_memory: the KV pool's budget: "1GiB", a byte count, or a fraction of the memory free when the engine
+        starts (0.3); a draft model's keys and values come out of it too.
+    block_size: tokens per KV block (the unit of allocation and of prefix sharing).
+    max_num_seqs, max_num_batched_tokens: most sequences running together, most tokens fed in one step.
+    prefix_caching: reuse the blocks of a prompt prefix computed before.
+    kv_cache: "auto" (keys and values in the model's dtype) or "int8" (a scale per token and head: about twice the
+        tokens in the same memory).
+    compile: decode-only steps as compiled graphs (fastest at few sequences; each batch bucket compiles once).
+    deterministic: a request's output independent of its batch, chunking and speculation.
+    prompt_lookup: speculate with n-grams of the context up to this size (0: off).
+    num_speculative: tokens proposed per step (prompt lookup or draft).
+    draft: a model of the target's tokenizer that proposes them: a loaded Transformer (Engine takes only that), or
+        a zoo name or path, which LLM and AsyncLLM load with the target's dtype and device.
+    """
+    kv_cache_memory: str | int | float = "1GiB"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 1024
+    prefix_caching: bool = True
+    kv_cache: str = "auto"
+    compile: bool = False
+    deterministic: bool = False
+    prompt_lookup: int = 0
+    num_speculative: int = 4
+    draft: Transformer | str | Path | None = None
+
+    def __post_init__(self):
+        check_kv_cache(self.kv_cache)
+        parse_memory(self.kv_cache_memory, torch.device("cpu"))  # its own message; the engine sizes it on its device
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise LeanLMError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("prompt_lookup", "num_speculative"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise LeanLMError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.draft is not None and self.prompt_lookup:
+            raise LeanLMError("speculate with a draft model or by prompt lookup, not both")
+
+    @property
+    def int8_kv(self) -> bool:
+        return self.kv_cache == "int8"
+
+    @property
+    def draft_by_name(self) -> bool:
+        """The draft is named (a zoo name or a path) and still to be loaded."""
+        return isinstance(self.draft, (str, Path))
+
+
+FIELDS = tuple(f.name for f in fields(EngineConfig))
+
+
+def engine_config(config: EngineConfig | None = None, **options) -> EngineConfig:
+    """`config` (default: EngineConfig()) with keyword options, EngineConfig's fields, set over it."""
+    for name in options:
+        if name not in FIELDS:
+            close = difflib.get_close_matches(name, FIELDS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise LeanLMError(f"unknown engine option {name!r}{hint}; the options are {', '.join(FIELDS)}")
+    config = config if config is not None else EngineConfig()
+    return replace(config, **options) if options else config
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

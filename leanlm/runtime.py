@@ -107,7 +107,7 @@ def pick_threads(model, requested: int | None = None, steps: int = 6) -> tuple[i
 @torch.inference_mode()
 def decode_step_seconds(model, steps: int = 6) -> float:
     """Best time of one single-token forward with a short cache (after a warm-up)."""
-    from leanlm.cache.static import StaticCache
+    from leanlm.cache.static import StaticCache  # not at the top: cache.static -> models.layers -> runtime, a cycle
 
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     cache = StaticCache(model.config, 1, steps + 2, model.dtype, model.device)
@@ -122,6 +122,28 @@ def decode_step_seconds(model, steps: int = 6) -> float:
     return best
 
 
+def best_seconds(fn, dev: torch.device, reps: int, warmup: bool = True) -> float:
+    """Fastest of `reps` timed calls of `fn`, after one untimed warm-up call."""
+    if warmup:
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        if dev.type == "cuda":
+            with torch.cuda.device(dev):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - t0
+        best = min(best, seconds)
+    return best
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory in MB. On Linux its VmHWM, the peak since exec: getrusage's ru_maxrss
     also carries the pre-exec image's, so a process started from a large parent would report the parent's peak."""
@@ -129,7 +151,7 @@ def peak_rss_mb() -> float:
         with open("/proc/self/status") as status:
             return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
     except (OSError, StopIteration):
-        import resource
+        import resource  # Unix only: at the top it would stop `import leanlm` on Windows
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jinja2.ext
+from jinja2 import meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from leanlm.errors import LeanLMError
@@ -63,9 +66,6 @@ class Tokenizer:
         instructions in the system message, earlier calls and results written into the messages as text."""
         if not self.chat_template:
             raise LeanLMError("this model's tokenizer has no chat template; pass a plain prompt instead")
-        import jinja2.ext
-        from jinja2 import meta
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise LeanLMError(f"chat template: {message}")

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 from leanlm.analysis.memory import (activation_bytes, formula_weight_bytes, kv_cache_bytes, lm_head_kind, param_count,
                                     stored_bytes, weight_bytes_read)
 from leanlm.cache.static import StaticCache
+from leanlm.compress.sparse.masks import decoder_sparsity, module_sparsity
 from leanlm.models.transformer import Transformer
 
 MB = 2**20
@@ -104,8 +105,6 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None,
 def sparsity_table(model: Transformer, least: float = 0.05) -> Table | None:
     """Per block, the fraction of each projection's weights pruned to zero (masks.module_sparsity); None for a
     model not pruned (no projection with at least `least` of its weights pruned)."""
-    from leanlm.compress.sparse.masks import decoder_sparsity, module_sparsity
-
     rows: dict[int, dict[str, float]] = {}
     for name, m in model.named_modules():
         if name.startswith("layers.") and hasattr(m, "in_features"):

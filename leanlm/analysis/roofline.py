@@ -22,9 +22,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
 import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from leanlm.analysis.memory import activation_bytes, formula_weight_bytes, kv_cache_bytes, param_count, stored_bytes
+from leanlm.analysis.report import PeakTensorBytes
+from leanlm.cache.static import StaticCache
 from leanlm.errors import LeanLMError
 from leanlm.models.config import ModelConfig
+from leanlm.models.transformer import Transformer
+from leanlm.runtime import best_seconds
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 OPS = ("qkv_proj", "o_proj", "qk", "pv", "gate_up_proj", "down_proj", "lm_head")
@@ -151,16 +158,12 @@ def weight_bytes_per_element(model) -> dict[str, float]:
 
 def meta_transformer(cfg: ModelConfig):
     """A float32 Transformer of `cfg` on the meta device: the same forward, shapes only, no memory, no time."""
-    from leanlm.models.transformer import Transformer
-
     with torch.device("meta"):
         return Transformer(cfg)
 
 
 def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
     """flop_counter's SDPA formula (full square) for the CPU flash kernel, which flop_counter does not register."""
-    from torch.utils.flop_counter import sdpa_flop_count
-
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
@@ -169,10 +172,6 @@ def counted_flops(model, phase: str, batch: int, seq_len: int, logits_all: bool 
     """FLOPs that torch.utils.flop_counter counts in one forward of `model` (any device, meta included), by op:
     the projections (PROJECTIONS) and "attention" (QKᵀ and softmax·V together: the fused kernel is one call).
     Phases as in op_costs: a decode step at context `seq_len` first prefills seq_len - 1 tokens, uncounted."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from leanlm.cache.static import StaticCache
-
     if phase not in PHASES:
         raise LeanLMError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
     dev = model.device
@@ -219,11 +218,6 @@ class MemoryRow:
 def memory_rows(model, batch: int, seq_len: int) -> list[MemoryRow]:
     """Textbook memory formulas (analysis.memory) next to what `model` holds: parameters, weights, KV cache as
     configured and as MHA would need it, a prefill's activations, its input ids and output logits."""
-    from leanlm.analysis.memory import (activation_bytes, formula_weight_bytes, kv_cache_bytes, param_count,
-                                        stored_bytes)
-    from leanlm.analysis.report import PeakTensorBytes
-    from leanlm.cache.static import StaticCache
-
     cfg, dev, nbytes = model.config, model.device, model.dtype.itemsize
     counts = param_count(cfg)
     formula_bytes, params = formula_weight_bytes(model)
@@ -251,6 +245,7 @@ def memory_rows(model, batch: int, seq_len: int) -> list[MemoryRow]:
 
 def plot_roofline(costs: list[OpCost], peak_gflops: float, bandwidth_gbs: float, path, title: str = "") -> None:
     """Write a log-log roofline PNG: the roof min(peak, bandwidth x I), each op at its intensity on it."""
+    # matplotlib: heavy, only --plot needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -291,10 +286,6 @@ def sweep_hidden(hidden_sizes: list[int], tokens: int, dtype: torch.dtype = torc
                  reps: int = 3, seed: int = 0) -> dict[str, list[float]]:
     """Seconds per op (SWEEP_OPS) of x [tokens, in] @ W [in, out] on random weights, best of `reps`, per hidden
     size: {op: [seconds at hidden_sizes[0], ...]}."""
-    import torch.nn.functional as F
-
-    from leanlm.bench.probe import _best_seconds
-
     dev = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     times: dict[str, list[float]] = {op: [] for op in SWEEP_OPS}
@@ -303,7 +294,7 @@ def sweep_hidden(hidden_sizes: list[int], tokens: int, dtype: torch.dtype = torc
             for op, (k, n) in sweep_shapes(h).items():
                 x = torch.randn(tokens, k, generator=gen).to(dev, dtype)
                 w = torch.randn(n, k, generator=gen).to(dev, dtype)
-                times[op].append(_best_seconds(lambda: F.linear(x, w), dev, reps))
+                times[op].append(best_seconds(lambda: F.linear(x, w), dev, reps))
     return times
 
 

@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from leanlm.analysis.memory import formula_weight_bytes, lm_head_kind, stored_bytes
+from leanlm.compress.sparse.masks import decoder_sparsity
 from leanlm.errors import LeanLMError
+from leanlm.eval.datasets import load_text
+from leanlm.eval.perplexity import score
+from leanlm.models.loading import load
+from leanlm.models.zoo import resolve
 
 MB = 2**20
 
@@ -60,12 +65,6 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
             max_tokens: int = 16384, data: Path | None = None, progress=None) -> list[Compared]:
     """Perplexity on a text (default: the built-in evaluation text), size, and agreement with `base`, for
     base + others."""
-    from leanlm.models.loading import load
-    from leanlm.compress.sparse.masks import decoder_sparsity
-    from leanlm.eval.datasets import load_text
-    from leanlm.eval.perplexity import score
-    from leanlm.models.zoo import resolve
-
     ref, tok = load(base, dtype, device, progress=False)
     ids = torch.tensor(tok.encode(load_text(data))[:max_tokens])
     rows = []

@@ -34,7 +34,7 @@ import torch
 
 from leanlm.errors import LeanLMError
 from leanlm.fetch import cache_dir
-from leanlm.runtime import resolve_device
+from leanlm.runtime import best_seconds, resolve_device
 
 BANDWIDTH_BYTES = 512 << 20
 MATMUL_START_N = 256
@@ -88,28 +88,6 @@ def _num_threads(threads: int | None):
         torch.set_num_threads(old)
 
 
-def _best_seconds(fn, dev: torch.device, reps: int, warmup: bool = True) -> float:
-    """Fastest of `reps` timed calls of `fn`, after one untimed warm-up call."""
-    if warmup:
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        if dev.type == "cuda":
-            with torch.cuda.device(dev):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            fn()
-            seconds = time.perf_counter() - t0
-        best = min(best, seconds)
-    return best
-
-
 def _huge_page_floats(n: int) -> torch.Tensor:
     """A float32 CPU buffer on transparent huge pages where the OS allows (4 KiB pages cost ~20% here)."""
     try:
@@ -137,7 +115,7 @@ def measure_bandwidth(
         if dev.type == "cuda":
             dst = torch.empty_like(buf)
             kernels["copy"] = (lambda: dst.copy_(buf), 2)  # reads and writes every byte
-        rates = {name: moved * n * 4 / _best_seconds(fn, dev, reps) / 1e9 for name, (fn, moved) in kernels.items()}
+        rates = {name: moved * n * 4 / best_seconds(fn, dev, reps) / 1e9 for name, (fn, moved) in kernels.items()}
     return max(rates.values())
 
 
@@ -161,8 +139,8 @@ def measure_matmul(
             a = torch.randn(n, n, device=dev).to(dtype)
             b = torch.randn(n, n, device=dev).to(dtype)
             # One product decides whether n is big enough; it is also the warm-up of the timed ones.
-            if _best_seconds(lambda: a @ b, dev, 1, warmup) >= MATMUL_MIN_SECONDS or n * 2 > max_n:
-                return 2 * n**3 / _best_seconds(lambda: a @ b, dev, reps, warmup=False) / 1e9
+            if best_seconds(lambda: a @ b, dev, 1, warmup) >= MATMUL_MIN_SECONDS or n * 2 > max_n:
+                return 2 * n**3 / best_seconds(lambda: a @ b, dev, reps, warmup=False) / 1e9
             n, warmup = n * 2, False
 
 

@@ -177,7 +177,7 @@ def table(rows: list[dict]) -> str:
 
 def plot_sweep(curves: dict[str, list[dict]], path: str) -> None:
     """Output throughput against median TPOT and TTFT, one line per server, each point a concurrency."""
-    import matplotlib
+    import matplotlib  # heavy: only the plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -7,10 +7,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
+import torch
 import typer
 from rich.table import Table
 
+from leanlm.analysis import roofline as rl
+from leanlm.bench.probe import peaks
 from leanlm.cli.common import DType, Device, Model, Threads, _fail, app, err, out
+from leanlm.models.loading import load
+from leanlm.runtime import matmul_dtype, set_threads
 
 MB = 2**20
 
@@ -26,8 +31,6 @@ def _hidden_sizes(text: str) -> list[int]:
 
 
 def _op_table(title: str, costs, ridge: float, critical: dict | None) -> Table:
-    from leanlm.analysis.roofline import LABELS, total
-
     table = Table(title=title)
     for col, justify in (("op", "left"), ("FLOPs", "left"), ("GFLOP", "right"), ("bytes", "left"), ("MB", "right"),
                          ("FLOP/B", "right"), ("bound", "left")):
@@ -35,10 +38,10 @@ def _op_table(title: str, costs, ridge: float, critical: dict | None) -> Table:
     if critical is not None:
         table.add_column("compute-bound from batch", justify="right")
     for c in costs:
-        row = [LABELS[c.op], c.flops_formula, f"{c.flops / 1e9:.3f}", c.bytes_formula, f"{c.bytes / MB:.2f}",
+        row = [rl.LABELS[c.op], c.flops_formula, f"{c.flops / 1e9:.3f}", c.bytes_formula, f"{c.bytes / MB:.2f}",
                f"{c.intensity:.2f}", "compute" if c.intensity >= ridge else "memory"]
         table.add_row(*row, *([] if critical is None else [_batch_text(critical[c.op])]))
-    flops, nbytes = total(costs)
+    flops, nbytes = rl.total(costs)
     table.add_row("total", "", f"{flops / 1e9:.3f}", "", f"{nbytes / MB:.2f}", f"{flops / nbytes:.2f}",
                   "compute" if flops / nbytes >= ridge else "memory",
                   *([] if critical is None else [_batch_text(critical["total"])]), style="bold")
@@ -71,12 +74,6 @@ def analyze(
 ) -> None:
     """Per-op FLOPs, bytes and FLOP/byte of MODEL's prefill and decode step against this machine's roofline, the
     batch at which decode turns compute-bound, memory formulas next to measured sizes (leanlm.analysis.roofline)."""
-    import torch
-
-    from leanlm.analysis import roofline as rl
-    from leanlm.models.loading import load
-    from leanlm.runtime import matmul_dtype, set_threads
-
     for name, value in (("seq-len", seq_len), ("batch", batch)):
         if value < 1:
             _fail(f"--{name} must be at least 1")
@@ -93,8 +90,6 @@ def analyze(
     compute = matmul_dtype(net.dtype, net.device)
     compute_name = str(compute).removeprefix("torch.")
     if bandwidth is None or gflops is None:
-        from leanlm.bench.probe import peaks
-
         peak = peaks(net.device.type, threads, refresh=refresh_probe)
         bandwidth = peak.bandwidth_gbs if bandwidth is None else bandwidth
         gflops = peak.matmul_gflops.get(compute_name, peak.matmul_gflops["float32"]) if gflops is None else gflops

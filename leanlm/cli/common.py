@@ -10,6 +10,9 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
+from leanlm.models.loading import load
+from leanlm.runtime import pick_threads
+
 app = typer.Typer(help="Make transformer language models cheap to run, and see what it costs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 err = Console(stderr=True)
@@ -40,9 +43,6 @@ def _recipe_alone(recipe, method: str | None, options: dict) -> None:
 
 
 def _load(model: str, dtype: str, device: str, threads: int | None, quiet: bool = False):
-    from leanlm.models.loading import load
-    from leanlm.runtime import pick_threads
-
     net, tok = load(model, dtype, device, progress=not quiet)
     threads, _ = pick_threads(net, threads)
     return net, tok, threads

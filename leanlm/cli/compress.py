@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from leanlm import pipeline
 from leanlm.cli.common import Compact, DType, Model, _fail, _recipe_alone, app, err, out, recipe_progress
+from leanlm.compress.quant.export import export as write
+from leanlm.fetch import atomic_dir
+from leanlm.lowbit.record import RECORD, is_quantized
+from leanlm.models.loading import load_model
+from leanlm.models.zoo import resolve
+from leanlm.prompt.compressor import PromptCompressor
 
 
 @app.command()
@@ -44,8 +52,6 @@ def quantize(
 ) -> None:
     """Quantize MODEL's decoder projections onto the runtime int8/int4/fp8 kernels and save it to -o DIR
     (calibrated methods read --samples x --seq-len tokens of the calibration text)."""
-    from leanlm import pipeline
-
     options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order, "alpha": alpha,
                "threshold": threshold}
     _recipe_alone(recipe, method, options)
@@ -74,11 +80,6 @@ def export(
     """Write MODEL for another runtime: a quantized model in the compressed-tensors layout that vLLM and
     transformers load (w4a16, w8a16, w8a8 and fp8 layers), or any model as one GGUF file for llama.cpp (16-bit
     weights as they are, w8a16 as Q8_0, w4a16 as Q4_1). The integer codes are kept as they are."""
-    from leanlm.compress.quant.export import export as write
-    from leanlm.fetch import atomic_dir
-    from leanlm.lowbit.record import RECORD, is_quantized
-    from leanlm.models.loading import load_model
-
     if format not in ("compressed-tensors", "gguf"):
         _fail(f"--format must be compressed-tensors or gguf, got {format!r}")
     if format == "gguf":
@@ -96,10 +97,7 @@ def export(
 
 
 def _export_gguf(model: str, output: Path, round_offsets: bool) -> None:
-    from leanlm.compress.quant.gguf_export import export_gguf
-    from leanlm.lowbit.record import RECORD, is_quantized
-    from leanlm.models.loading import load_model
-    from leanlm.models.zoo import resolve
+    from leanlm.compress.quant.gguf_export import export_gguf  # the gguf package: only --format gguf needs it
 
     if output.exists():
         _fail(f"{output} already exists; choose a new file name")
@@ -143,11 +141,6 @@ def compress_prompt(
     """Compress a long prompt by dropping the words a small model finds predictable (LLMLingua; with --question its
     units are ranked against the question, as LongLLMLingua does). Prints the compressed prompt; the ratio goes to
     stderr. Token counts are the scorer's."""
-    import sys
-
-    from leanlm.cli.common import err
-    from leanlm.prompt.compressor import PromptCompressor
-
     if (text is None) == (file is None):
         _fail("give the prompt as TEXT or with --file, one of the two")
     if file is not None:

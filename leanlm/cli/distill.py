@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from leanlm.cli.common import Device, _fail, app, err, out
+from leanlm.distillation.run import distill as run
 
 
 @app.command()
@@ -58,8 +59,6 @@ def distill(
     """Distil TEACHER into a student and save it to -o DIR (an ordinary model directory with curve.png and the
     run in distill.json); checkpoints in DIR/checkpoint let --resume continue an interrupted run bit for bit
     (removed when the run ends, unless --keep-checkpoint)."""
-    from leanlm.distillation.run import distill as run
-
     if (student is None) == (student_from is None):
         _fail("give --student MODEL, or --student-from MODEL with --keep-layers")
     if student_from is not None and keep is None:

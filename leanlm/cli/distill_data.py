@@ -9,6 +9,10 @@ from typing import Annotated, Optional
 import typer
 
 from leanlm.cli.common import DType, Threads, _fail, app, err, out
+from leanlm.distillation import data
+from leanlm.engine import LLM
+from leanlm.eval.corpus import read_items, write_corpus
+from leanlm.generation.sampling import SamplingParams
 
 Items = "one item a line (.txt), or JSONL with {\"prompt\": ...} or {\"messages\": [...]} a line"
 
@@ -40,8 +44,6 @@ def _check(mode: str, given: dict, numbers: dict, temperature: float | None, out
 
 
 def _texts(path: Path, what: str) -> list[str]:
-    from leanlm.eval.corpus import read_items
-
     items = read_items(path)
     if not all(isinstance(item, str) for item in items):
         _fail(f"{path}: {what} are text, one a line (or JSONL with {{\"prompt\": \"...\"}}), not chats")
@@ -83,11 +85,6 @@ def distill_data(
     """Write a distillation corpus with TEACHER for `leanlm distill --data CORPUS.jsonl`: label a prompt set, expand
     a few examples, curate a topic list, or score (with --correct, correct) a student's samples. Give one of --label,
     --expand, --curate, --feedback."""
-    from leanlm.distillation import data
-    from leanlm.engine import LLM
-    from leanlm.eval.corpus import read_items, write_corpus
-    from leanlm.generation.sampling import SamplingParams
-
     modes = {"label": label_file, "expand": expand_file, "curate": curate_file, "feedback": feedback_file}
     chosen = [name for name, path in modes.items() if path is not None]
     if len(chosen) != 1:

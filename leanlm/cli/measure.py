@@ -3,14 +3,33 @@
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
+import torch
 import typer
+from rich.progress import Progress
 from rich.table import Table
 
+from leanlm.analysis.report import memory_report
+from leanlm.bench import latency  # latency.bench looked up at call time: a test replaces it
+from leanlm.bench.compare import disk_bytes, quality, speed as measure_speed
+from leanlm.bench.speculative import speculation
 from leanlm.cli.common import DType, Device, Model, Threads, _fail, _load, app, err, out
 from leanlm.cli.generate import _load_draft, _print_stream
+from leanlm.cli.jsonl import read_requests
+from leanlm.errors import LeanLMError
+from leanlm.eval.datasets import load_text
+from leanlm.eval.humaneval import evaluate, generate_completions, load_problems, sandbox
+from leanlm.eval.perplexity import DEFAULT_MAX_TOKENS, DEFAULT_STRIDE, perplexity, score, scored_tokens
+from leanlm.generation.decode import check_fits
+from leanlm.generation.sampling import SamplingParams
+from leanlm.generation.speculative import resolve_k
+from leanlm.generation.text import stream
+from leanlm.models.loading import load
+from leanlm.models.zoo import resolve
 
 
 @app.command("eval")
@@ -32,12 +51,6 @@ def eval_(
 ) -> None:
     """Perplexity of MODEL on a text (sliding window; see leanlm.eval.perplexity), or with --humaneval its
     HumanEval pass@1."""
-    import torch
-    from rich.progress import Progress
-
-    from leanlm.eval.datasets import load_text
-    from leanlm.eval.perplexity import DEFAULT_STRIDE, score, scored_tokens
-
     if humaneval:
         if data or reference:
             _fail("--humaneval runs its own problems: drop --data and --reference")
@@ -72,14 +85,6 @@ def eval_(
 def _humaneval(model: str, limit: int | None, new_tokens: int, timeout: float, json_: bool, dtype: str, device: str,
                threads: int | None) -> None:
     """pass@1 of greedy completions on the first `limit` HumanEval problems (see leanlm.eval.humaneval)."""
-    import time
-
-    from rich.progress import Progress
-
-    from leanlm.models.loading import load
-    from leanlm.errors import LeanLMError
-    from leanlm.eval.humaneval import evaluate, generate_completions, load_problems, sandbox
-
     if new_tokens < 1 or timeout <= 0:
         _fail("--new-tokens must be at least 1 and --timeout more than 0")
     try:
@@ -134,9 +139,6 @@ def bench(
     dtype: DType = "auto", device: Device = "auto", threads: Threads = None,
 ) -> None:
     """Measure TTFT, TPOT, tokens/s, GB/s, MBU and prefill MFU of MODEL (or speculative decoding statistics)."""
-    from leanlm.bench.latency import bench as run_bench
-    from leanlm.generation.decode import check_fits
-
     for name, value in (("prompt-tokens", prompt_tokens), ("new-tokens", new_tokens), ("batch", batch)):
         if value < 1:
             _fail(f"--{name} must be at least 1")
@@ -144,10 +146,6 @@ def bench(
         _fail("--prompts is for speculative decoding: give --draft or --prompt-lookup too")
     chats = None
     if prompts is not None:
-        from leanlm.cli.jsonl import read_requests
-        from leanlm.errors import LeanLMError
-        from leanlm.generation.sampling import SamplingParams
-
         try:
             chats = read_requests(prompts, SamplingParams())[0]
         except LeanLMError as e:
@@ -158,7 +156,7 @@ def bench(
                                   device, threads, chats)
     if check_fits(net, prompt_tokens, new_tokens) < new_tokens:
         _fail(f"--prompt-tokens + --new-tokens exceeds the context window ({net.config.max_position})")
-    r = run_bench(net, model, prompt_tokens, new_tokens, batch, refresh_probe=refresh_probe, compiled=compile)
+    r = latency.bench(net, model, prompt_tokens, new_tokens, batch, refresh_probe=refresh_probe, compiled=compile)
     if json_:
         print(json.dumps(r.to_dict()))
         return
@@ -173,10 +171,6 @@ def bench(
 
 
 def _bench_speculative(net, tok, model, draft, ngram, k, new_tokens, json_, dtype, device, threads, prompts) -> None:
-    from leanlm.bench.speculative import speculation
-    from leanlm.generation.sampling import SamplingParams
-    from leanlm.generation.speculative import resolve_k
-
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     draft_net = _load_draft(draft, tok, dtype, device, threads) if draft else None
     k = resolve_k(net, draft_net, k)
@@ -212,12 +206,6 @@ def compare(
 ) -> None:
     """Per model: bits per weight, size on disk and in memory, perplexity, KL and top-1 agreement to BASE,
     decode tokens/s and MBU."""
-    from dataclasses import replace
-
-    from rich.progress import Progress
-
-    from leanlm.bench.compare import quality, speed as measure_speed
-
     if max_tokens < 2:
         _fail("--max-tokens must be at least 2")
     with Progress(console=err, transient=True, disable=json_) as bar:
@@ -256,11 +244,6 @@ def info(model: Model,
          length: Annotated[Optional[int], typer.Option(help="sequence length (default: the context window)")] = None,
          dtype: DType = "auto", device: Device = "auto") -> None:
     """Architecture and memory breakdown: textbook formulas next to measured sizes."""
-    from leanlm.analysis.report import memory_report
-    from leanlm.models.loading import load
-    from leanlm.bench.compare import disk_bytes
-    from leanlm.models.zoo import resolve
-
     net, _ = load(model, dtype, device)
     out.print(memory_report(net, batch, length, disk=disk_bytes(resolve(model, progress=False))))
 
@@ -270,15 +253,6 @@ def demo(model: Annotated[str, typer.Argument(help="zoo name, directory or .gguf
          compile: Annotated[bool, typer.Option("--compile/--eager", help="benchmark a torch.compile'd decode step")] = True,
          dtype: DType = "auto", device: Device = "auto", threads: Threads = None) -> None:
     """The main job: pull MODEL, generate from it, measure perplexity, benchmark it, print a summary."""
-    import torch
-    from rich.progress import Progress
-
-    from leanlm.bench.latency import bench as run_bench
-    from leanlm.eval.datasets import load_text
-    from leanlm.eval.perplexity import DEFAULT_MAX_TOKENS, perplexity, scored_tokens
-    from leanlm.generation.sampling import SamplingParams
-    from leanlm.generation.text import stream
-
     net, tok, threads = _load(model, dtype, device, threads)
     prompt = "Write two sentences about why small language models are useful."
     out.rule(f"generate ({model}, chat, greedy)")
@@ -293,7 +267,7 @@ def demo(model: Annotated[str, typer.Argument(help="zoo name, directory or .gguf
     out.rule("benchmark (batch 1, 128-token prompt, 64 new tokens)")
     if compile:
         err.print("[dim]compiling the decode step (30-100 s the first time, cached after)…[/]")
-    r = run_bench(net, model, 128, 64, 1, compiled=compile)
+    r = latency.bench(net, model, 128, 64, 1, compiled=compile)
     table = Table(title=f"leanlm summary: {model}")
     table.add_column("measure")
     table.add_column("value", justify="right")

@@ -7,9 +7,15 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.progress import Progress
 from rich.table import Table
 
 from leanlm.cli.common import Model, Threads, app, err, out
+from leanlm.errors import LeanLMError
+from leanlm.optimize.job import optimize as run
+from leanlm.optimize.pareto import Budget
+from leanlm.optimize.sweep import Settings
+from leanlm.optimize.variants import draft_variants, read_variants
 
 DEFAULT_BUDGET = "ppl_gap=0.02"
 
@@ -52,14 +58,6 @@ def optimize(
     """The main job: make and measure compressed variants of MODEL (quantization, int8 KV cache, prompt lookup,
     pruning), draw quality against latency and memory with the Pareto frontier, recommend the best variant within
     --budget, copy it to DIR/recommended and print the `leanlm serve` command for it."""
-    from rich.progress import Progress
-
-    from leanlm.errors import LeanLMError
-    from leanlm.optimize.job import optimize as run
-    from leanlm.optimize.pareto import Budget
-    from leanlm.optimize.sweep import Settings
-    from leanlm.optimize.variants import draft_variants, read_variants
-
     limits = Budget.parse(budget)
     variants = read_variants("quick" if quick and recipes == "default" else recipes)
     if recipes == "default" and not quick:

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from leanlm.cli.common import _fail, app, out
+from leanlm.optimize.plan import explain, parse_slo, plan as make_plan, read_curve
 
 
 @app.command()
@@ -30,8 +31,6 @@ def plan(
     """How many replicas (machines as benchmarked) serve RPS within the SLO: the highest request rate one replica
     was measured to sustain with every SLO term met (no interpolation, no extrapolation), then
     ceil(rps x (1 - cache_hit) / (per-replica rate x (1 - headroom)))."""
-    from leanlm.optimize.plan import explain, parse_slo, plan as make_plan, read_curve
-
     if (from_ is None) == (per_replica_rps is None):
         _fail("give a measured curve with --from BENCH.json (from `leanlm bench serve MODEL --sweep 1,2,4,8 "
               "--json`) or a known --per-replica-rps, one of the two")

@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from leanlm import pipeline
 from leanlm.cli.common import Compact, DType, Model, _fail, _recipe_alone, app, err, out, recipe_progress
+from leanlm.compress.sparse.masks import decoder_sparsity
 
 
 @app.command()
@@ -45,8 +47,6 @@ def prune(
 ) -> None:
     """Prune MODEL and save it to -o DIR: a float model as an ordinary HF directory (every verb and transformers
     load it), a sparse + quantized one in leanlm's quantized format."""
-    from leanlm import pipeline
-
     options = {"sparsity": sparsity, "pattern": pattern, "target_params": target_params, "bits": bits, "scope": scope,
                "owl": owl, "heads": heads, "intermediate_size": intermediate_size, "num_layers": num_layers,
                "criterion": criterion}
@@ -63,8 +63,6 @@ def prune(
 
 def _summary(net) -> str:
     """The model's shape and how many of its projection weights are zero."""
-    from leanlm.compress.sparse.masks import decoder_sparsity
-
     zeros, pattern = decoder_sparsity(net)
     cfg = net.config
     return (f"{cfg.num_layers} layers, {cfg.num_heads} heads, MLP width {cfg.intermediate_size}; "

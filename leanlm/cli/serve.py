@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.progress import Progress
 
 from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, app, err, out
+from leanlm.engine import AsyncLLM, EngineConfig
 from leanlm.engine.config import check_kv_cache
+from leanlm.serve import serve as run_server
+from leanlm.serve.ray import serve_replicas
 
 
 @app.command()
@@ -51,9 +58,6 @@ def serve(
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics). SIGTERM drains requests in flight, then exits."""
-    from leanlm.engine import AsyncLLM, EngineConfig
-    from leanlm.serve import serve as run_server
-
     if api_key_file is not None:
         try:
             api_key = api_key_file.read_text().splitlines()[0].strip()
@@ -65,8 +69,6 @@ def serve(
                           prompt_lookup=prompt_lookup, draft=draft, num_speculative=num_speculative,
                           deterministic=deterministic, compile=compile)
     if replicas > 1 or ray_address:
-        from leanlm.serve.ray import serve_replicas
-
         serve_replicas(model, name, replicas, host, port, api_key, max_requests, config, ray_address,
                        prompt_scorer=prompt_scorer, max_n=max_n, dtype=dtype, device=device, threads=threads)
         return
@@ -97,12 +99,7 @@ def bench_serve(
 ) -> None:
     """Load-test an OpenAI-compatible server: throughput, TTFT/TPOT/ITL/E2E percentiles, goodput (a sweep over
     concurrency gives the curve capacity planning needs)."""
-    import asyncio
-    import contextlib
-    import shlex
-
-    from rich.progress import Progress
-
+    # httpx (the load generator's client): only `bench serve` needs it
     from leanlm.bench.serve import (LocalServer, parse_goodput, plot_sweep, random_prompts, run_load, served_model,
                                     summarize, table)
 

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
@@ -339,9 +341,6 @@ class Trainer:
 
     def run(self, progress: bool = True) -> History:
         """Train until the budget is spent, evaluating and checkpointing at the configured intervals."""
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         c = self.config
         bar = Progress(TextColumn("distilling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                        TimeRemainingColumn(), console=Console(file=sys.stderr), disable=not progress)
@@ -417,7 +416,7 @@ def _nothing():
 
 def plot_history(history: History, path: Path) -> None:
     """The loss per step and, where evaluated, the student's perplexity, as a PNG."""
-    import matplotlib
+    import matplotlib  # heavy: only the plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -11,25 +11,25 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from leanlm.engine.config import EngineConfig, engine_config
 from leanlm.engine.engine import Engine, request_output
 from leanlm.engine.sequence import Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.sampling import SamplingParams
+from leanlm.models.loading import load
 from leanlm.runtime import cpu_count, set_threads
 
 
 def _engine(model, tokenizer, dtype, device, threads, config: EngineConfig, quiet: bool) -> Engine:
     """Load the model (and a draft named in config) if named, set the threads, build the engine."""
     if isinstance(model, (str, Path)):
-        from leanlm.models.loading import load
-
         model, tokenizer = load(model, dtype, device)
     elif tokenizer is None:
         raise LeanLMError("LLM(model) with a model object needs its tokenizer too: LLM(model, tokenizer)")
     if config.draft_by_name:
-        from leanlm.models.loading import load
-
         draft, draft_tokenizer = load(config.draft, dtype, device)
         if not tokenizer.same_vocabulary(draft_tokenizer):
             raise LeanLMError(f"draft {config.draft}: its tokenizer is not the target's; speculation needs one "
@@ -91,9 +91,6 @@ class _progress:
     def __enter__(self):
         if not self.on:
             return lambda n: None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                             TimeRemainingColumn(), console=Console(stderr=True), transient=True)
         task = self.bar.add_task("generate", total=self.total)

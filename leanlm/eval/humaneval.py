@@ -17,6 +17,7 @@ A completion is model output, so it is run as untrusted code, never in-process. 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gzip
 import importlib.util
@@ -36,7 +37,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from leanlm.engine.llm import LLM
 from leanlm.errors import LeanLMError
+from leanlm.generation.sampling import SamplingParams
 
 STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")  # a function body ends at the next top-level line
 UNPRIVILEGED = 65534  # "nobody": the uid and gid a root parent runs completions as
@@ -192,8 +195,6 @@ def landlock_abi() -> int:
     """The kernel's Landlock ABI version (0: none, or not Linux)."""
     if not sys.platform.startswith("linux"):
         return 0
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return max(0, libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
@@ -340,9 +341,6 @@ def generate_completions(model, tokenizer, problems: list[dict], max_tokens: int
                          **engine_options) -> dict[str, list[str]]:
     """Greedy completions of every prompt through the batched engine (leanlm.engine.llm.LLM), cut at STOP:
     task id -> [completion]."""
-    from leanlm.engine.llm import LLM
-    from leanlm.generation.sampling import SamplingParams
-
     llm = LLM(model, tokenizer, quiet=True, **engine_options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=STOP)
     outputs = llm.generate([p["prompt"] for p in problems], params, progress=progress)

@@ -87,7 +87,7 @@ class StepCompiler:
         options = dict(INDUCTOR_OPTIONS[next(self.model.parameters()).device.type])
 
         def backend(gm, example_inputs):
-            from torch._inductor import compile as inductor_compile
+            from torch._inductor import compile as inductor_compile  # heavy (~1.5 s): only a compile needs it
 
             compiled = inductor_compile(gm, example_inputs, options)
             self._captured = compiled, list(example_inputs)

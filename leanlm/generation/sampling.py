@@ -6,14 +6,11 @@ import math
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from leanlm.errors import LeanLMError
-
-if TYPE_CHECKING:
-    from leanlm.generation.grammar import GrammarSpec
+from leanlm.generation.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 

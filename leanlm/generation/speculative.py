@@ -26,6 +26,7 @@ from leanlm.errors import LeanLMError
 from leanlm.generation.decode import check_fits
 from leanlm.generation.sampling import SamplingParams, probabilities
 from leanlm.models.transformer import Transformer
+from leanlm.runtime import decode_step_seconds
 
 PRIOR_ACCEPTANCE = 0.7  # used to pick K before any token was verified
 MAX_K = 8
@@ -187,8 +188,6 @@ def resolve_k(target: Transformer, draft: Transformer | None, k: int | None) -> 
         return k
     if draft is None:
         return MAX_K
-    from leanlm.runtime import decode_step_seconds
-
     return choose_k(decode_step_seconds(draft) / decode_step_seconds(target))
 
 

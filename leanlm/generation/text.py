@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from leanlm.cache.static import StaticCache
 from leanlm.generation.decode import Completion, generate_ids
 from leanlm.generation.sampling import SamplingParams
+from leanlm.generation.speculative import speculative_generate
 from leanlm.models.transformer import Transformer
 from leanlm.tokenizer import Tokenizer
 
@@ -115,8 +116,6 @@ def stream(model: Transformer, tokenizer: Tokenizer, prompt, params: SamplingPar
 def stream_speculative(model: Transformer, tokenizer: Tokenizer, prompt, params: SamplingParams, proposer, k: int,
                        chat: bool = False, stats=None) -> Iterator[str]:
     """Text pieces of one prompt's completion, decoded speculatively (generation.speculative)."""
-    from leanlm.generation.speculative import speculative_generate
-
     ids = encode_prompt(tokenizer, prompt, chat)
     eos = set() if params.ignore_eos else eos_ids(model, tokenizer)
     row = Detokenizer(ids, params.stop, eos)

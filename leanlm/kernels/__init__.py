@@ -55,11 +55,11 @@ def build(variant: str = "native"):
 
 
 def _build(variant: str):
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # ~60 ms: only a build needs it
 
     if shutil.which("ninja") is None:  # torch runs `ninja`; the pip package's binary may be off PATH (a venv)
         try:
-            import ninja
+            import ninja  # optional here: only to find its binary
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
@@ -67,7 +67,7 @@ def _build(variant: str):
 
     # the source's hash in the op namespace: compiled graphs that call these ops are cached on disk by inductor,
     # keyed by the graph; a graph calling an op whose signature changed crashed. A new source is a new namespace.
-    source = hashlib.sha1(b"".join(s.read_bytes() for s in (*SOURCES, HEADER))).hexdigest()[:8]
+    source = source_hash()
     name = f"leanlm_{source}" if variant == "native" else f"leanlm_{variant}_{source}"
     flags = ["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}", *VARIANTS[variant]]
     # torch reuses a cached build whose sources and flags match, and "-march=native" reads the same on every CPU:
@@ -106,6 +106,11 @@ def bf16_product(x: torch.Tensor, w: torch.Tensor) -> bool:
     return _loaded["bf16"]
 
 
+def source_hash() -> str:
+    """A short hash of the kernels' C++ sources: a new source is a new build (and a new op namespace)."""
+    return hashlib.sha1(b"".join(s.read_bytes() for s in (*SOURCES, HEADER))).hexdigest()[:8]
+
+
 def cpu_flags() -> list[str]:
     """This CPU's feature flags from /proc/cpuinfo ("avx2", "avx512f", ...; ARM's "Features"), [] where it has none."""
     try:
@@ -124,7 +129,7 @@ def _cpu_tag() -> str:
 def _built(library: str) -> bool:
     """Whether torch's extension cache already holds a build (only to say that a first build takes a while)."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: any failure just means "say it"
+        from torch.utils.cpp_extension import _get_build_directory  # private, ~60 ms: any failure just means "say it"
 
         return any(Path(_get_build_directory(library, False)).glob("*.so"))
     except Exception:

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from leanlm.errors import LeanLMError
 
@@ -41,7 +44,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 def open_gguf(path: Path):
     """Open a GGUF file with gguf.GGUFReader; any parse failure becomes a LeanLMError naming the file."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # the gguf package (~30 ms): only a .gguf model needs it
 
     path = Path(path)
     if not path.is_file():
@@ -184,22 +187,19 @@ def _tensor_plan(reader, config: dict, path: Path) -> list[tuple[Any, str, tuple
 
 
 def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize  # the gguf package: see open_gguf
 
     return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
 def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     # stderr: a conversion can run inside any verb given a .gguf file, whose stdout is its result
     return Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=False)
 
 
 def _bf16(t) -> bool:
-    from gguf import GGMLQuantizationType
+    from gguf import GGMLQuantizationType  # the gguf package: see open_gguf
 
     return t.tensor_type == GGMLQuantizationType.BF16
 
@@ -208,8 +208,6 @@ def _as_stored(w: np.ndarray, bf16: bool) -> bytes:
     """float32 values as float16 bytes, or bfloat16 ones for a BF16 tensor (float16 would not hold all of them)."""
     if not bf16:
         return np.ascontiguousarray(w, dtype="<f2").tobytes()
-    import torch
-
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).bfloat16().view(torch.int16).numpy().tobytes()
 
 
@@ -241,7 +239,7 @@ def write_weights(reader, config: dict, out_file: Path, path: Path, progress: bo
 
 def write_tokenizer(path: Path, out_dir: Path, max_length: int | None = None) -> None:
     """Rebuild the tokenizer from the GGUF metadata via transformers (chat template in tokenizer_config.json)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only converting a .gguf model needs it
 
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -8,6 +8,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
 from leanlm import fetch
 from leanlm.errors import LeanLMError
 from leanlm.models.gguf import convert_gguf
@@ -125,9 +128,6 @@ _RECORD = "leanlm.json"
 
 
 def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
-
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
     # stderr: a pull can run inside any verb (`leanlm generate zoo-name > out.txt`), whose stdout is its result
     return Progress(*columns, console=Console(stderr=True), disable=not enabled)

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from leanlm.bench.probe import device_name
 from leanlm.errors import LeanLMError
+from leanlm.optimize import mixed as mix
 from leanlm.optimize.pareto import Budget, recommend
 from leanlm.optimize.report import frontiers, write_html, write_png
+from leanlm.optimize.sensitivity import sensitivity_chart
 from leanlm.optimize.sweep import Settings, Sweep
 from leanlm.optimize.variants import Variant
 
@@ -59,9 +61,6 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
     output.mkdir(parents=True, exist_ok=True)
     images = ["pareto.png"]
     if mixed:
-        from leanlm.optimize import mixed as mix
-        from leanlm.optimize.sensitivity import sensitivity_chart
-
         result = mix.sensitivity(sweep.source, sweep.root, status=status)
         sensitivity_chart(result, output / "sensitivity.png", f"{model}: KL when one projection alone is quantized "
                                                               f"({result.tokens} calibration tokens)")

@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from leanlm.compress.registry import recipe_steps
+from leanlm.eval.datasets import load_text
+from leanlm.models.loading import load
+from leanlm.optimize import sensitivity as sens  # through the module: a test replaces sens.layer_sensitivity
 from leanlm.optimize.variants import HEAD8_G, Variant, digest
 
 OPTIONS = ("w4g128", "w4g32", "w8")  # what each projection may get
@@ -18,16 +23,9 @@ TOKENS = 512  # of the calibration text (not the evaluation text the sweep score
 def sensitivity(source: Path, root: Path, tokens: int = TOKENS, status=lambda text: None):
     """The KL each decoder projection causes alone under each of OPTIONS (float32 model, calibration text); cached
     in root/sensitivity/."""
-    from leanlm.optimize.sensitivity import Sensitivity, layer_sensitivity, parse_option
-
     path = root / "sensitivity" / f"{digest([OPTIONS, tokens])}.json"
     if path.exists():
-        return Sensitivity.from_dict(json.loads(path.read_text()))
-    import torch
-
-    from leanlm.models.loading import load
-    from leanlm.eval.datasets import load_text
-
+        return sens.Sensitivity.from_dict(json.loads(path.read_text()))
     net, tok = load(source, "float32", "cpu", progress=False)
     ids = torch.tensor(tok.encode(load_text(None, "calibration")[: tokens * 8])[:tokens])
     count = [0]
@@ -36,7 +34,8 @@ def sensitivity(source: Path, root: Path, tokens: int = TOKENS, status=lambda te
         count[0] += 1
         status(f"sensitivity: {name} {option} ({count[0]})")
 
-    result = layer_sensitivity(net, ids, [parse_option(o) for o in OPTIONS], window=min(512, tokens), progress=tick)
+    result = sens.layer_sensitivity(net, ids, [sens.parse_option(o) for o in OPTIONS], window=min(512, tokens),
+                                    progress=tick)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result.to_dict()))
     return result
@@ -44,11 +43,9 @@ def sensitivity(source: Path, root: Path, tokens: int = TOKENS, status=lambda te
 
 def variants(result) -> tuple[Variant, Variant]:
     """Uniform w4 g32 and the knapsack's mix of OPTIONS within its bytes, each with an int8 lm_head."""
-    from leanlm.optimize.sensitivity import assignment_bytes, mixed_assignment, mixed_config
-
-    budget = assignment_bytes(result, {u.name: EQUAL_TO for u in result.units})
-    assignment = mixed_assignment(result, list(OPTIONS), budget_bytes=budget)
-    (step,) = recipe_steps([mixed_config(assignment)])
+    budget = sens.assignment_bytes(result, {u.name: EQUAL_TO for u in result.units})
+    assignment = sens.mixed_assignment(result, list(OPTIONS), budget_bytes=budget)
+    (step,) = recipe_steps([sens.mixed_config(assignment)])
     counts = {o: sum(a == o for a in assignment.values()) for o in OPTIONS}
     notes = "knapsack on per-projection KL at uniform w4 g32's bytes: " + ", ".join(f"{n} {o}" for o, n in counts.items())
     return (Variant("w4 rtn g32+head8", ({"method": "rtn", "bits": 4, "group_size": 32}, HEAD8_G)),

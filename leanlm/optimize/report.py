@@ -20,7 +20,7 @@ def frontiers(rows: list[dict]) -> dict[str, list[int]]:
 def write_png(rows: list[dict], fronts: dict[str, list[int]], recommended: int | None, path: Path, title: str,
               ppl_limit: float | None = None) -> None:
     """Perplexity against TPOT and against memory, side by side; the frontier drawn, the recommendation ringed."""
-    import matplotlib
+    import matplotlib  # heavy: only the plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

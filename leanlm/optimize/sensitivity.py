@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 from leanlm.analysis.memory import stored_bytes
 from leanlm.compress.quant.rtn import KEEP_FLOAT, RTN, quantize_layer
-from leanlm.compress.registry import decoder_linears
+from leanlm.compress.registry import decoder_linears, recipe_steps
 from leanlm.compress.sparse.magnitude import magnitude_prune
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.record import replace
@@ -290,16 +291,12 @@ def mixed_config(assignment: dict[str, str], act_bits: int = 16) -> RTN:
 
 def mixed_recipe(assignment: dict[str, str], act_bits: int = 16) -> str:
     """The assignment as a `leanlm quantize --recipe` file (YAML: one rtn step with per-projection `layers`)."""
-    import yaml
-
-    from leanlm.compress.registry import recipe_steps
-
     return yaml.safe_dump(recipe_steps([mixed_config(assignment, act_bits)]), sort_keys=False)
 
 
 def sensitivity_chart(result: Sensitivity, path: str | Path, title: str = "") -> None:
     """A PNG: one panel per projection kind (qkv, o, gate_up, down), a bar per layer and option, KL on a log axis."""
-    import matplotlib
+    import matplotlib  # heavy: only the chart needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -14,16 +14,23 @@ import json
 import sys
 import time
 
+import torch
+
+from leanlm.bench.latency import bench
+from leanlm.bench.speculative import speculation
+from leanlm.cache.int8 import Int8KVCache
+from leanlm.cache.static import StaticCache
+from leanlm.engine.llm import LLM
+from leanlm.errors import LeanLMError
+from leanlm.generation import compiled as compiled_step
+from leanlm.generation.sampling import SamplingParams
+from leanlm.generation.speculative import resolve_k
+from leanlm.models.loading import load
+from leanlm.runtime import pick_threads
+
 
 def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: str, compiled: bool, cpp_wrapper: bool,
             threads: int | None, prompt_tokens: int, new_tokens: int, concurrency: int) -> dict:
-    from leanlm.models.loading import load
-    from leanlm.bench.latency import bench
-    from leanlm.cache.static import StaticCache
-    from leanlm.cache.int8 import Int8KVCache
-    from leanlm.generation import compiled as compiled_step
-    from leanlm.runtime import pick_threads
-
     if not cpp_wrapper:  # this process only: inductor's Python launcher (half the compile time; TPOT within noise)
         compiled_step.INDUCTOR_OPTIONS["cpu"] = {**compiled_step.INDUCTOR_OPTIONS["cpu"], "cpp_wrapper": False}
     net, tok = load(model, dtype, None, progress=False)
@@ -31,11 +38,6 @@ def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: st
     cache_cls = Int8KVCache if kv_cache == "int8" else StaticCache
     r = bench(net, model, prompt_tokens, new_tokens, 1, compiled=compiled, cache_cls=cache_cls).to_dict()
     if prompt_lookup or draft:
-        from leanlm.bench.speculative import speculation
-        from leanlm.errors import LeanLMError
-        from leanlm.generation.sampling import SamplingParams
-        from leanlm.generation.speculative import resolve_k
-
         draft_net = None
         if draft:
             draft_net, draft_tok = load(draft, dtype, None, progress=False)
@@ -52,11 +54,6 @@ def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: st
 
 def _throughput(net, tok, kv_cache: str, n: int, prompt_tokens: int, new_tokens: int, prompt_lookup: int) -> float:
     """Output tokens per second with `n` random-token requests in the engine at once (eager steps, greedy)."""
-    import torch
-
-    from leanlm.engine.llm import LLM
-    from leanlm.generation.sampling import SamplingParams
-
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, net.config.vocab_size, (n, prompt_tokens), generator=gen).tolist()
     llm = LLM(net, tok, quiet=True, max_num_seqs=n, kv_cache=kv_cache, prompt_lookup=prompt_lookup)

@@ -1,24 +1,39 @@
 """The sweep: build each variant once, measure its quality and its cost, keep every measured row on disk.
 
-Everything measured is cached under `$LEANLM_CACHE/optimize/<model hash>/`, keyed by what it depends on: a built
-model by its steps and calibration; a quality row by the model, KV cache and evaluation text; a cost row by all
-of the variant and the timing settings. A resumed (or repeated) sweep measures nothing twice.
+Everything measured is cached under `$LEANLM_CACHE/optimize/<model hash>/<environment hash>/` (`environment()`:
+leanlm's code, torch, the CPU, the kernels), keyed by what it depends on: a built model by its steps and
+calibration; a quality row by the model, KV cache and evaluation text; a cost row by all of the variant and the
+timing settings. A resumed (or repeated) sweep measures nothing twice; an upgraded one measures everything again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from importlib.metadata import version
 from pathlib import Path
 
+import torch
 
+from leanlm import kernels
+from leanlm.bench.compare import sizes
+from leanlm.bench.probe import device_name
+from leanlm.cache.int8 import Int8KVCache
 from leanlm.errors import LeanLMError
+from leanlm.eval.datasets import load_text
+from leanlm.eval.humaneval import evaluate, generate_completions, load_problems
+from leanlm.eval.perplexity import perplexity, score
+from leanlm.fetch import cache_dir
+from leanlm.models.loading import load
+from leanlm.models.zoo import resolve
 from leanlm.optimize.variants import Variant, digest
+from leanlm.runtime import cpu_count
 
 
 @dataclass(frozen=True)
@@ -86,17 +101,32 @@ def model_hash(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def environment() -> dict:
+    """What a measurement depends on besides its variant and settings: leanlm's code (its version, the commit of a
+    git checkout, and a hash of its sources, so an edited tree counts too), torch's version, the CPU (model, cores
+    and ISA flags) and the kernels' sources. It names the cache's folder, so after an upgrade, a kernel fix or a
+    move to another machine no build, perplexity or timing comes back as measured."""
+    package = Path(__file__).parents[1]
+    sources = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+        sources.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    git = subprocess.run(["git", "-C", str(package.parent), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return {"leanlm": version("leanlm"), "commit": git.stdout.strip() if git.returncode == 0 else None,
+            "sources": sources.hexdigest()[:16], "torch": torch.__version__, "cpu": device_name("cpu"),
+            "isa": hashlib.sha256(" ".join(kernels.cpu_flags()).encode()).hexdigest()[:16],
+            "kernels": kernels.source_hash()}
+
+
 class Sweep:
     """Measure `variants` of `model` with `settings`; `status(text)` hears what runs now."""
 
     def __init__(self, model: str, variants: tuple[Variant, ...], settings: Settings, root: Path | None = None,
                  status=lambda text: None):
-        from leanlm.fetch import cache_dir
-        from leanlm.models.zoo import resolve
-
         self.model, self.variants, self.settings, self.status = model, variants, settings, status
         self.source = resolve(model)
-        self.root = (root or cache_dir() / "optimize") / model_hash(self.source)
+        self.base, env = root or cache_dir() / "optimize", environment()
+        self.root = self.base / model_hash(self.source) / digest(env)
+        _write_json(self.root / "environment.json", env)
         self._reference = None
         self._ids = None
 
@@ -119,11 +149,9 @@ class Sweep:
 
     def _run_on_ray(self, on_row, address: str) -> list[Measured]:
         try:
-            import ray
+            import ray  # optional (leanlm[ray]) and heavy: only --ray needs it
         except ImportError:
             raise LeanLMError("--ray needs Ray: pip install 'leanlm[ray]'") from None
-        from leanlm.runtime import cpu_count
-
         if not ray.is_initialized():
             if address == "local":  # on loopback only
                 ray.init(address="local", include_dashboard=False, num_cpus=cpu_count(), _node_ip_address="127.0.0.1")
@@ -137,7 +165,7 @@ class Sweep:
                 done[variant.name] = self.measure(variant)
                 on_row(done[variant.name])
             else:
-                ref = task.remote(str(self.source), variant.to_dict(), asdict(self.settings), str(self.root.parent))
+                ref = task.remote(str(self.source), variant.to_dict(), asdict(self.settings), str(self.base))
                 pending[ref] = variant.name
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
@@ -179,8 +207,6 @@ class Sweep:
             return out, json.loads(record.read_text())["seconds"]
         self.status(f"{variant.name}: building")
         if out.exists():  # a build interrupted between its rename and its record
-            import shutil
-
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # the same file system: the rename below is atomic
@@ -211,11 +237,6 @@ class Sweep:
         if path.exists():
             return json.loads(path.read_text())
         self.status(f"{variant.name}: quality")
-        from leanlm.models.loading import load
-        from leanlm.bench.compare import sizes
-        from leanlm.cache.int8 import Int8KVCache
-        from leanlm.eval.perplexity import score
-
         reference, ids = self._reference_and_ids()
         net, tok = load(model_dir, variant.dtype, "cpu", progress=False)
         ppl, agree = score(net, ids, reference, cache_cls=Int8KVCache if variant.kv_cache == "int8" else None)
@@ -232,8 +253,6 @@ class Sweep:
 
     def _pass1(self, variant: Variant, net, tok) -> float:
         """HumanEval pass@1 of greedy completions (the engine, the variant's KV cache), each run sandboxed."""
-        from leanlm.eval.humaneval import evaluate, generate_completions, load_problems
-
         self.status(f"{variant.name}: HumanEval")
         problems = load_problems(self.settings.humaneval)
         completions = generate_completions(net, tok, problems, kv_cache=variant.kv_cache)
@@ -241,11 +260,6 @@ class Sweep:
 
     def _reference_and_ids(self):
         if self._reference is None:
-            import torch
-
-            from leanlm.models.loading import load
-            from leanlm.eval.datasets import load_text
-
             self._reference, tok = load(self.source, self.settings.reference_dtype, "cpu", progress=False)
             self._ids = torch.tensor(tok.encode(load_text(Path(self.settings.data) if self.settings.data else None))
                                      [: self.settings.eval_tokens])
@@ -257,8 +271,6 @@ class Sweep:
         path = self.root / "quality" / f"{digest(['base', s.eval_tokens, s.data, s.reference_dtype])}.json"
         if path.exists():
             return json.loads(path.read_text())["perplexity"]
-        from leanlm.eval.perplexity import perplexity
-
         reference, ids = self._reference_and_ids()
         value = perplexity(reference, ids).perplexity
         _write_json(path, {"perplexity": value})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from leanlm.engine.llm import AsyncLLM
 
 
@@ -10,6 +12,8 @@ def serve(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8
           prompt_scorer: str = "smollm2-135m", max_n: int = 16) -> None:
     """Serve until SIGINT/SIGTERM: then stop accepting, let requests in flight finish (up to drain_seconds), stop the
     engine and return."""
+    # uvicorn, and fastapi under leanlm.serve.app: heavy, only a running server needs them (the CLI imports this
+    # package at every start)
     import uvicorn
 
     from leanlm.serve.app import build_app
@@ -26,9 +30,7 @@ def serve(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8
 def _log_config() -> dict:
     """uvicorn's logging setup with its access log on stderr too (its default writes that one to stdout, which
     carries a command's result only)."""
-    import copy
-
-    from uvicorn.config import LOGGING_CONFIG
+    from uvicorn.config import LOGGING_CONFIG  # heavy: see serve()
 
     config = copy.deepcopy(LOGGING_CONFIG)
     for handler in config["handlers"].values():

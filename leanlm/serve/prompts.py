@@ -7,6 +7,7 @@ import asyncio
 
 from leanlm.errors import LeanLMError
 from leanlm.generation.text import encode_prompt
+from leanlm.prompt.compressor import PromptCompressor
 
 
 class PromptCompression:
@@ -18,8 +19,6 @@ class PromptCompression:
         self.compressor = None if isinstance(scorer, str) else scorer
 
     async def compress(self, text: str, options) -> tuple[str, float]:
-        from leanlm.prompt.compressor import PromptCompressor
-
         async with self.lock:
             if self.compressor is None:
                 self.compressor = await asyncio.to_thread(PromptCompressor, self.scorer, progress=False)

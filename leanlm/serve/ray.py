@@ -13,6 +13,7 @@ cover the whole application."""
 from __future__ import annotations
 
 from leanlm.engine.config import EngineConfig
+from leanlm.engine.llm import AsyncLLM
 from leanlm.errors import LeanLMError
 from leanlm.runtime import cpu_count
 
@@ -20,9 +21,9 @@ APP_NAME = "leanlm"
 
 
 def _replica_class():
+    # Ray (optional, leanlm[ray]) and fastapi (under leanlm.serve.app): heavy, only --replicas needs them
     from ray import serve
 
-    from leanlm.engine.llm import AsyncLLM
     from leanlm.serve.app import build_app
 
     @serve.ingress()
@@ -48,7 +49,7 @@ def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1"
     """Start `replicas` engines on Ray Serve behind http://host:port (a local Ray instance unless ray_address).
     config: every replica's engine (a draft in it by name: each replica loads its own); load_options: AsyncLLM's
     (dtype, device, threads, quiet)."""
-    try:
+    try:  # Ray: optional (leanlm[ray]) and heavy
         import ray
         from ray import serve
     except ImportError:
@@ -73,7 +74,7 @@ def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1"
 
 def shutdown() -> None:
     """Stop the Serve application and the Ray instance this process started."""
-    import ray
+    import ray  # optional and heavy, as above
     from ray import serve
 
     serve.shutdown()

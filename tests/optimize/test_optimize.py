@@ -195,6 +195,31 @@ def test_a_sweep_fans_out_over_a_local_ray_instance(swept, tmp_path):
     assert len(list((sweep.root / "rows").glob("*.json"))) == 2
 
 
+@pytest.mark.parametrize("change", ["leanlm", "commit", "torch", "cpu", "isa", "kernels"])
+def test_a_changed_environment_measures_again(swept, monkeypatch, change):
+    """Every input of the cache's environment key (leanlm's version and commit, torch, the CPU model and ISA flags,
+    the kernels' sources) names another folder: after an upgrade no cached row comes back as measured."""
+    from leanlm.optimize import sweep as module
+
+    _, (model, variants, _, settings, _), cache = swept
+    before = module.Sweep(model, variants[:1], settings, cache)
+    assert before._row_path(variants[0]).exists()  # the fixture's sweep measured it
+    patches = {"leanlm": ("version", lambda name: "99.0"),
+               "commit": ("subprocess", type("git", (), {"run": staticmethod(
+                   lambda *a, **k: subprocess.CompletedProcess(a, 0, "f" * 40, ""))})),
+               "torch": ("torch", type("torch", (), {"__version__": "99.0"})),
+               "cpu": ("device_name", lambda device: "another CPU (2 cpus)"),
+               "isa": ("kernels", type("kernels", (), {"cpu_flags": staticmethod(lambda: ["avx2"]),
+                                                       "source_hash": staticmethod(module.kernels.source_hash)})),
+               "kernels": ("kernels", type("kernels", (), {"cpu_flags": staticmethod(module.kernels.cpu_flags),
+                                                           "source_hash": staticmethod(lambda: "00000000")}))}
+    name, value = patches[change]
+    monkeypatch.setattr(module, name, value)
+    after = module.Sweep(model, variants[:1], settings, cache)
+    assert module.environment()[change] != json.loads((before.root / "environment.json").read_text())[change]
+    assert after.root != before.root and not after._row_path(variants[0]).exists()
+
+
 def test_optimize_cli_prints_the_table_and_the_serve_command(tmp_path):
     import os
     import sys

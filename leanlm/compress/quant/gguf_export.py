@@ -31,6 +31,7 @@ from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import SCHEMES, W4A16Linear, W8A16Linear, W8A16Sparse24Linear, unpack_int4
 from leanlm.models.gguf import gguf_name, permute_rotary
 from leanlm.models.loading import to_hf_names
+from leanlm.tokenizer import Tokenizer
 
 BLOCK = 32
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> GGUF architecture
@@ -193,8 +194,6 @@ def llama_cpp_pre(pre: dict | None) -> str:
 def tokenizer_metadata(source: Path, vocab_size: int) -> dict:
     """The tokenizer.ggml.* keys for the byte-level BPE tokenizer of a model directory, its vocabulary padded to
     the embedding's `vocab_size` rows."""
-    from leanlm.tokenizer import Tokenizer
-
     data = json.loads((Path(source) / "tokenizer.json").read_text())
     model = data.get("model", {})
     if model.get("type") != "BPE" or (data.get("decoder") or {}).get("type") != "ByteLevel":

@@ -4,6 +4,7 @@ run cuSPARSELt or CUTLASS sparse kernels that skip the zeros (torch.sparse.to_sp
 from __future__ import annotations
 
 import torch
+from torch.sparse import to_sparse_semi_structured
 
 from leanlm.compress.registry import decoder_linears
 from leanlm.lowbit.sparse24 import is_24
@@ -13,8 +14,6 @@ def semi_structured(model) -> list[str]:
     """Hold each decoder projection of `model` whose weight is 2:4 sparse along its inputs as a semi-structured
     tensor (16-bit weights on CUDA); returns the names converted. Others stay dense: weights on the CPU, other
     dtypes, and shapes the sparse kernels cannot take (rows not a multiple of 32, inputs not of 64)."""
-    from torch.sparse import to_sparse_semi_structured
-
     converted = []
     for name, linear in decoder_linears(model):
         w = linear.weight

@@ -1,21 +1,19 @@
 """Side by side: what a compressed variant costs in quality and buys in size and speed, against a base model.
 
 Quality runs in this process (one pass per variant scores its perplexity and its KL / top-1 agreement to the
-base on the same windows). Speed runs `leanlm bench --json` in a fresh process per model, so that one model's
-compiled graphs and allocator state never touch another's timing.
+base on the same windows). Speed runs bench.cost in a fresh process per model, so that one model's compiled graphs
+and allocator state never touch another's timing.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from leanlm.analysis.memory import formula_weight_bytes, lm_head_kind, stored_bytes
+from leanlm.bench.cost import isolated
 from leanlm.compress.sparse.masks import decoder_sparsity
 from leanlm.errors import LeanLMError
 from leanlm.eval.datasets import load_text
@@ -83,12 +81,6 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
 
 def speed(model: str, dtype: str = "auto", threads: int | None = None, compiled: bool = True,
           new_tokens: int = 64) -> dict:
-    """`leanlm bench MODEL --json` in a fresh process."""
-    cmd = [sys.executable, "-m", "leanlm.cli", "bench", model, "--json", "--dtype", dtype,
-           "--new-tokens", str(new_tokens), "--prompt-tokens", "64", "--compile" if compiled else "--eager"]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise LeanLMError(f"benchmarking {model} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Batch-1 decode of `model` on 64 prompt tokens (`leanlm bench`'s measurement), in a fresh process."""
+    return isolated(model, model=model, dtype=dtype, kv_cache="auto", prompt_lookup=0, draft="", compiled=compiled,
+                    cpp_wrapper=True, threads=threads, prompt_tokens=64, new_tokens=new_tokens, concurrency=0)

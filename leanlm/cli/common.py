@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from leanlm.models.loading import load
-from leanlm.runtime import pick_threads
+from leanlm.generation.threads import pick_threads
 
 app = typer.Typer(help="Make transformer language models cheap to run, and see what it costs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)

@@ -26,7 +26,7 @@ from leanlm.errors import LeanLMError
 from leanlm.generation.decode import check_fits
 from leanlm.generation.sampling import SamplingParams, probabilities
 from leanlm.models.transformer import Transformer
-from leanlm.runtime import decode_step_seconds
+from leanlm.generation.threads import decode_step_seconds
 
 PRIOR_ACCEPTANCE = 0.7  # used to pick K before any token was verified
 MAX_K = 8

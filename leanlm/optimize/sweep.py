@@ -23,6 +23,7 @@ import torch
 
 from leanlm import kernels
 from leanlm.bench.compare import sizes
+from leanlm.bench.cost import isolated
 from leanlm.bench.probe import device_name
 from leanlm.cache.int8 import Int8KVCache
 from leanlm.errors import LeanLMError
@@ -277,16 +278,12 @@ class Sweep:
         return value
 
     def cost(self, variant: Variant, model_dir: Path) -> dict:
-        """Batch-1 TTFT/TPOT, MBU/MFU, peak memory (and throughput) in a fresh process (optimize.speed)."""
+        """Batch-1 TTFT/TPOT, MBU/MFU, peak memory (and throughput) in a fresh process (bench.cost)."""
         s = self.settings
-        args = dict(model=str(model_dir), dtype=variant.dtype, kv_cache=variant.kv_cache,
-                    prompt_lookup=variant.prompt_lookup, draft=variant.draft, compiled=s.compiled, cpp_wrapper=s.cpp_wrapper, threads=s.threads,
-                    prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens, concurrency=s.concurrency)
-        proc = subprocess.run([sys.executable, "-m", "leanlm.optimize.speed", json.dumps(args)], capture_output=True,
-                              text=True)
-        if proc.returncode:
-            raise LeanLMError(f"timing variant {variant.name} failed: {_last_line(proc.stderr)}")
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = isolated(f"variant {variant.name}", model=str(model_dir), dtype=variant.dtype, kv_cache=variant.kv_cache,
+                     prompt_lookup=variant.prompt_lookup, draft=variant.draft, compiled=s.compiled,
+                     cpp_wrapper=s.cpp_wrapper, threads=s.threads, prompt_tokens=s.prompt_tokens,
+                     new_tokens=s.new_tokens, concurrency=s.concurrency)
         return {k: r.get(k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "mbu", "mfu", "peak_memory_mb", "threads",
                                       "throughput", "speedup")}
 

@@ -265,7 +265,7 @@ def test_serve_commands_follow_the_variant_and_drafts_come_from_the_zoo():
 def test_a_draft_variant_is_timed_against_plain_decoding(tiny_dir):
     import torch
 
-    from leanlm.optimize.speed import measure
+    from leanlm.bench.cost import measure
 
     threads = torch.get_num_threads()
     try:

@@ -1,5 +1,5 @@
-"""A variant's cost, measured in a fresh process (`python -m leanlm.optimize.speed JSON`), so that one variant's
-compiled graphs, allocator and threads never touch another's timing; prints one JSON object.
+"""A model's cost, measured in a fresh process (`isolated(...)` runs `python -m leanlm.bench.cost JSON`), so that one
+model's compiled graphs, allocator and threads never touch another's timing (optimize's sweep, `leanlm compare`).
 
 Batch 1: `bench.latency.bench` on random tokens (TTFT of the prompt, median TPOT, MBU, prefill MFU, peak RSS).
 Speculative decoding is exact (its output is the plain model's), so its cost is the plain TPOT divided by the
@@ -11,6 +11,7 @@ Concurrent: `concurrency` random-token requests through the serving engine at on
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -25,8 +26,8 @@ from leanlm.errors import LeanLMError
 from leanlm.generation import compiled as compiled_step
 from leanlm.generation.sampling import SamplingParams
 from leanlm.generation.speculative import resolve_k
+from leanlm.generation.threads import pick_threads
 from leanlm.models.loading import load
-from leanlm.runtime import pick_threads
 
 
 def measure(model: str, dtype: str, kv_cache: str, prompt_lookup: int, draft: str, compiled: bool, cpp_wrapper: bool,
@@ -62,6 +63,16 @@ def _throughput(net, tok, kv_cache: str, n: int, prompt_tokens: int, new_tokens:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, progress=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def isolated(what: str, **args) -> dict:
+    """measure(**args) in a fresh process; a failure is one LeanLMError naming `what` and the child's last line."""
+    proc = subprocess.run([sys.executable, "-m", "leanlm.bench.cost", json.dumps(args)], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        raise LeanLMError(f"timing {what} failed: {lines[-1] if lines else f'exit status {proc.returncode}'}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

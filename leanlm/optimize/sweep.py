@@ -281,7 +281,8 @@ class Sweep:
         """Batch-1 TTFT/TPOT, MBU/MFU, peak memory (and throughput) in a fresh process (bench.cost)."""
         s = self.settings
         r = isolated(f"variant {variant.name}", model=str(model_dir), dtype=variant.dtype, kv_cache=variant.kv_cache,
-                     prompt_lookup=variant.prompt_lookup, draft=variant.draft, compiled=s.compiled,
+                     prompt_lookup=variant.prompt_lookup, draft=variant.draft,
+                     compiled=s.compiled and variant.kv_cache != "int8",  # the engine runs int8-KV steps eager
                      cpp_wrapper=s.cpp_wrapper, threads=s.threads, prompt_tokens=s.prompt_tokens,
                      new_tokens=s.new_tokens, concurrency=s.concurrency)
         return {k: r.get(k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "mbu", "mfu", "peak_memory_mb", "threads",

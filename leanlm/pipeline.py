@@ -59,12 +59,18 @@ def make_config(name: str, options: dict):
     return cls(**options)
 
 
-def recipe_configs(steps: list[dict], where: str = "a recipe") -> list:
+def recipe_configs(steps: list[dict], where: str = "a recipe", form: str = "list of steps such as {method: rtn}"
+                   ) -> list:
     """Configs from steps {method: NAME, option: value, ...}, applied in order. A method quantizes the projections
     that earlier steps left in float, so `smooth` then `rtn` is SmoothQuant."""
     if not isinstance(steps, list) or not steps or not all(isinstance(s, dict) and "method" in s for s in steps):
-        raise LeanLMError(f"{where} must be a non-empty list of steps such as {{method: rtn}}")
-    return [make_config(s["method"], {k: v for k, v in s.items() if k != "method"}) for s in steps]
+        raise LeanLMError(f"{where} must be a non-empty {form}")
+    return [step_config(s) for s in steps]
+
+
+def step_config(step: dict):
+    """The config of one step {method: NAME, option: value, ...}."""
+    return make_config(step["method"], {k: v for k, v in step.items() if k != "method"})
 
 
 def read_recipe(path: Path) -> list:
@@ -75,9 +81,7 @@ def read_recipe(path: Path) -> list:
         raise LeanLMError(f"cannot read recipe {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise LeanLMError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(steps, list) or not steps:
-        raise LeanLMError(f"recipe {path} must be a non-empty YAML list of steps such as `- method: rtn`")
-    return recipe_configs(steps, f"recipe {path}")
+    return recipe_configs(steps, f"recipe {path}", "YAML list of steps such as `- method: rtn`")
 
 
 def with_teacher(configs: list, source) -> list:
@@ -141,8 +145,7 @@ def run(model: str | Path, steps: list, out: str | Path, *, data: str | Path | N
     for name, value in (("samples", samples), ("seq_len", seq_len)):
         if value < 1:
             raise LeanLMError(f"{name} must be at least 1, got {value}")
-    configs = [c if not isinstance(c, dict) else make_config(c["method"], {k: v for k, v in c.items() if k != "method"})
-               for c in steps]
+    configs = [step_config(c) if isinstance(c, dict) else c for c in steps]
     source = resolve(str(model))
     configs = with_teacher(configs, source)
     if is_quantized(source):

@@ -70,9 +70,14 @@ def isolated(what: str, **args) -> dict:
     proc = subprocess.run([sys.executable, "-m", "leanlm.bench.cost", json.dumps(args)], capture_output=True,
                           text=True)
     if proc.returncode:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        raise LeanLMError(f"timing {what} failed: {lines[-1] if lines else f'exit status {proc.returncode}'}")
+        raise LeanLMError(f"timing {what} failed: {last_line(proc.stderr) or f'exit status {proc.returncode}'}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def last_line(text: str) -> str:
+    """A child process's last non-blank line of output ("" when it wrote none): its error message."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 
 from leanlm import kernels
 from leanlm.bench.compare import sizes
-from leanlm.bench.cost import isolated
+from leanlm.bench.cost import isolated, last_line
 from leanlm.bench.probe import device_name
 from leanlm.cache.int8 import Int8KVCache
 from leanlm.errors import LeanLMError
@@ -219,7 +219,7 @@ class Sweep:
                                   capture_output=True, text=True)
             seconds = time.perf_counter() - start
             if proc.returncode:
-                raise LeanLMError(f"building variant {variant.name} failed: {_last_line(proc.stderr)}")
+                raise LeanLMError(f"building variant {variant.name} failed: {last_line(proc.stderr) or 'no message'}")
             try:
                 (Path(tmp) / "model").rename(out)
             except OSError:  # another worker (Ray) built the same model meanwhile: theirs is as good
@@ -293,11 +293,6 @@ def _measure_on_worker(source: str, variant: dict, settings: dict, root: str) ->
     """A Ray task: one variant measured on the node it lands on, into the shared cache."""
     v = Variant(**{**variant, "steps": tuple(variant["steps"])})
     return Sweep(source, (v,), Settings(**settings), Path(root)).measure(v).to_dict()
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no message"
 
 
 def _write_json(path: Path, obj) -> None:

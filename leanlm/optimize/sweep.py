@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -296,9 +297,11 @@ def _measure_on_worker(source: str, variant: dict, settings: dict, root: str) ->
 
 
 def _write_json(path: Path, obj) -> None:
-    """Write atomically, so an interrupted sweep never leaves a half row that a resumed one would trust."""
+    """Write atomically, so an interrupted sweep never leaves a half row that a resumed one would trust; each writer
+    has its own temporary file, as Ray workers write the same environment.json at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 

@@ -82,5 +82,5 @@ def quality(base: str, others: list[str], dtype: str = "auto", device: str | Non
 def speed(model: str, dtype: str = "auto", threads: int | None = None, compiled: bool = True,
           new_tokens: int = 64) -> dict:
     """Batch-1 decode of `model` on 64 prompt tokens (`leanlm bench`'s measurement), in a fresh process."""
-    return isolated(model, model=model, dtype=dtype, kv_cache="auto", prompt_lookup=0, draft="", compiled=compiled,
-                    cpp_wrapper=True, threads=threads, prompt_tokens=64, new_tokens=new_tokens, concurrency=0)
+    return isolated(model, model=model, dtype=dtype, compiled=compiled, threads=threads, prompt_tokens=64,
+                    new_tokens=new_tokens)

@@ -86,22 +86,30 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
     peak = peaks(dev.type, threads, refresh=refresh_probe)
     dtype = str(model.dtype).removeprefix("torch.")
     weights = weight_bytes_read(model)
-    avg_len = prompt_tokens + new_tokens / 2
     kv_item = int8_bytes_per_head(cfg.head_dim) / cfg.head_dim if cache_cls is not StaticCache else model.dtype.itemsize
-    kv_read = kv_bytes_per_token(cfg, kv_item) * avg_len * batch
-    gbs = (weights + kv_read) / tpot / 1e9
-    counts = param_count(cfg)
-    attn_flops = 2 * cfg.num_layers * cfg.q_size * prompt_tokens**2  # QK^T and PV, causal half of 4*T^2
-    head_flops = 2 * cfg.vocab_size * cfg.hidden_size  # logits of the last position only
-    flops = batch * (2 * (counts.attention + counts.mlp) * prompt_tokens + attn_flops + head_flops)
     # the peak of the dtype prefill's products run in (float32 for fp16, and for bf16 on CPUs without a bf16 GEMM)
     compute = str(matmul_dtype(model.dtype, dev)).removeprefix("torch.")
     peak_flops = peak.matmul_gflops.get(compute, peak.matmul_gflops.get("float32"))
+    gbs, mbu, mfu = utilization(cfg, weights, kv_item, prompt_tokens, new_tokens, ttft, tpot, batch,
+                                peak.bandwidth_gbs, peak_flops)
     return BenchResult(
         model=name, compiled=compiled, device=str(dev), dtype=dtype, threads=threads, batch=batch,
         prompt_tokens=prompt_tokens, new_tokens=new_tokens,
         ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, tokens_per_s=batch / tpot,
         prefill_tokens_per_s=batch * prompt_tokens / ttft, weight_bytes=weights,
-        gbs=gbs, mbu=gbs / peak.bandwidth_gbs, mfu=flops / ttft / 1e9 / peak_flops,
+        gbs=gbs, mbu=mbu, mfu=mfu,
         peak_bandwidth_gbs=peak.bandwidth_gbs, peak_gflops=peak_flops, peak_memory_mb=_peak_memory_mb(dev),
     )
+
+
+def utilization(cfg, weight_bytes: int, kv_item: float, prompt_tokens: float, new_tokens: int, ttft_s: float,
+                tpot_s: float, batch: int, peak_gbs: float, peak_gflops: float) -> tuple[float, float, float]:
+    """(GB/s, MBU, MFU): a decode step reads the weights and each row's KV cache (at its mean length over the
+    decode), prefill computes 2 FLOPs per matmul weight per prompt token, attention and the last position's logits."""
+    kv_read = kv_bytes_per_token(cfg, kv_item) * (prompt_tokens + new_tokens / 2) * batch
+    gbs = (weight_bytes + kv_read) / tpot_s / 1e9
+    counts = param_count(cfg)
+    attn_flops = 2 * cfg.num_layers * cfg.q_size * prompt_tokens**2  # QK^T and PV, causal half of 4*T^2
+    head_flops = 2 * cfg.vocab_size * cfg.hidden_size  # logits of the last position only
+    flops = batch * (2 * (counts.attention + counts.mlp) * prompt_tokens + attn_flops + head_flops)
+    return gbs, gbs / peak_gbs, flops / ttft_s / 1e9 / peak_gflops

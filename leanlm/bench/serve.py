@@ -47,10 +47,13 @@ def random_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[li
     return [[rng.randrange(min(1000, vocab // 2), vocab) for _ in range(input_len)] for _ in range(n)]
 
 
-async def _one(http: httpx.AsyncClient, url: str, model: str, prompt, output_len: int, headers: dict,
+async def _one(http: httpx.AsyncClient, base_url: str, model: str, prompt, output_len: int, headers: dict,
                retries: int = 1) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    """One streamed request: a completion of `prompt` (text or token ids), or a chat reply to it (messages)."""
+    chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
+    body = {"model": model, "messages" if chat else "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     result = RequestResult(False, len(prompt) if isinstance(prompt, list) else 0)
     start = last = time.perf_counter()
     chunks = 0
@@ -75,7 +78,7 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, prompt, output_len
                     last, chunks = now, chunks + 1
     except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError) as e:
         if retries and chunks == 0:  # a kept-alive connection the server had closed: try once more
-            return await _one(http, url, model, prompt, output_len, headers, retries - 1)
+            return await _one(http, base_url, model, prompt, output_len, headers, retries - 1)
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.latency = last - start
@@ -87,21 +90,21 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, prompt, output_len
 async def run_load(base_url: str, model: str, prompts: list, output_len: int, rate: float = float("inf"),
                    burstiness: float = 1.0, max_concurrency: int | None = None, api_key: str | None = None,
                    warmup: int = 1, seed: int = 0, progress=None) -> tuple[list[RequestResult], float]:
-    """Send every prompt (arrivals at `rate` per second, at most `max_concurrency` in flight); (results, seconds)."""
-    url = base_url.rstrip("/") + "/v1/completions"
+    """Send every prompt (arrivals at `rate` per second, at most `max_concurrency` in flight); (results, seconds).
+    A prompt is token ids or text (/v1/completions) or chat messages (/v1/chat/completions)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
     rng = random.Random(seed)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0)) as http:
         for prompt in prompts[:warmup]:
-            warm = await _one(http, url, model, prompt, output_len, headers)
+            warm = await _one(http, base_url, model, prompt, output_len, headers)
             if not warm.ok:
-                raise LeanLMError(f"{url}: the warm-up request failed ({warm.error})")
+                raise LeanLMError(f"{base_url}: the warm-up request failed ({warm.error})")
         gate = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
 
         async def limited(prompt):
             async with gate:
-                result = await _one(http, url, model, prompt, output_len, headers)
+                result = await _one(http, base_url, model, prompt, output_len, headers)
             if progress:
                 progress()
             return result

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import Progress
 
+from leanlm.bench.workload import read_prompts
 from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, app, err, out
 from leanlm.engine import AsyncLLM, EngineConfig
 from leanlm.engine.config import check_kv_cache
@@ -82,6 +83,9 @@ def bench_serve(
                                                "`leanlm serve` on a free loopback port for the run")],
     num_prompts: Annotated[int, typer.Option(help="requests per run")] = 100,
     input_len: Annotated[int, typer.Option(help="prompt tokens (random ids, sent as token ids)")] = 256,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="send these prompts instead of random ids "
+                                                                           "(JSONL: {\"prompt\": ...} or "
+                                                                           "{\"messages\": [...]} a line, cycled)")] = None,
     output_len: Annotated[int, typer.Option(help="output tokens (ignore_eos)")] = 128,
     request_rate: Annotated[float, typer.Option(help="requests per second (inf: all at once)")] = float("inf"),
     burstiness: Annotated[float, typer.Option(help="gamma shape of the arrival gaps (1: Poisson)")] = 1.0,
@@ -105,7 +109,11 @@ def bench_serve(
 
     slos = parse_goodput(goodput or [])
     levels = [int(x) for x in sweep.split(",")] if sweep else [max_concurrency]
-    prompts = random_prompts(num_prompts + warmup, input_len, vocab, seed)
+    if prompts_file is None:
+        prompts = random_prompts(num_prompts + warmup, input_len, vocab, seed)
+    else:
+        given = read_prompts(prompts_file)
+        prompts = [given[i % len(given)] for i in range(num_prompts + warmup)]
     remote = target.startswith(("http://", "https://"))
     server = (contextlib.nullcontext() if remote
               else LocalServer.leanlm(target, model_name or target, shlex.split(serve_args)))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -12,9 +11,12 @@ from pathlib import Path
 from leanlm.bench.probe import device_name
 from leanlm.errors import LeanLMError
 from leanlm.optimize import mixed as mix
+from leanlm.bench.workload import describe
 from leanlm.optimize.pareto import Budget, recommend
+from leanlm.optimize.plan import SloTerm, best_point, check_point, explain, plan
 from leanlm.optimize.report import frontiers, write_html, write_png
 from leanlm.optimize.sensitivity import sensitivity_chart
+from leanlm.optimize.served import serve_command
 from leanlm.optimize.sweep import Settings, Sweep
 from leanlm.optimize.variants import Variant
 
@@ -26,35 +28,48 @@ class Outcome:
     serve_command: str | None
     output: Path
     failed: dict[str, str]  # variant -> why it could not be measured
+    capacity: dict[str, list[str]]  # frontier variant -> how many replicas serve --rps, reasoned line by line
 
     @property
     def best(self) -> dict | None:
         return None if self.recommended is None else self.rows[self.recommended]
 
 
-def serve_command(row: dict, model_dir: Path) -> str:
-    """The `leanlm serve` line that runs a variant as it was measured: compiled decode steps, but for an int8 KV
-    cache, whose steps the engine runs eager (its quantization sits outside the graph; Sweep.cost times it so)."""
-    v = row["variant"]
-    cmd = ["leanlm", "serve", str(model_dir)] + (["--compile"] if v["kv_cache"] != "int8" else [])
-    if v["dtype"] != "bfloat16":
-        cmd += ["--dtype", v["dtype"]]
-    if v["kv_cache"] == "int8":
-        cmd += ["--kv-cache", "int8"]
-    if v["prompt_lookup"]:
-        cmd += ["--prompt-lookup", str(v["prompt_lookup"])]
-    if v.get("draft"):
-        cmd += ["--draft", v["draft"]]
-    return shlex.join(cmd)
+def served_rate(curve: list[dict], slo: list[SloTerm]) -> tuple[float, str]:
+    """The highest request rate a served variant was measured to sustain with every SLO term met, and at which
+    point; (0, why) when no level measured meets it (optimize.plan, no interpolation)."""
+    points = [check_point(row, slo) for row in curve]
+    try:
+        best = points[best_point(points)]
+    except LeanLMError:
+        return 0.0, "no level meets the SLO: " + "; ".join(f"{p.label}: {p.why_not()}" for p in points)
+    return best.request_throughput, best.label
+
+
+def capacity(rows: list[dict], indices: list[int], rps: float, cache_hit: float, slo: list[SloTerm]) -> dict[str, list[str]]:
+    """Per variant (by index): `leanlm plan`'s reasoning, line by line, for `rps` requests/s from its measured curve."""
+    lines = {}
+    for i in indices:
+        r = rows[i]
+        try:
+            result = plan(rps, slo, r["curve"], cache_hit=cache_hit, source=f"{r['name']}, served")
+            r["replicas"] = result.replicas
+            lines[r["name"]] = explain(result)
+        except LeanLMError as e:
+            r["replicas"] = None
+            lines[r["name"]] = [str(e)]
+    return lines
 
 
 def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings: Settings, output: Path,
-             status=lambda text: None, on_row=lambda row: None, cache_root: Path | None = None,
-             ray_address: str | None = None, mixed: bool = False) -> Outcome:
-    """Measure every variant (cached; on a Ray cluster with `ray_address`), then write results.json, pareto.png,
-    report.html and the recommended variant's model directory (output/recommended) into `output`. With `mixed`,
-    first the per-projection sensitivity (sensitivity.png), and two more variants: uniform w4 g32 and the knapsack's
-    4/8-bit mix at its size (optimize.mixed)."""
+             slo: list[SloTerm], status=lambda text: None, on_row=lambda row: None, cache_root: Path | None = None,
+             ray_address: str | None = None, mixed: bool = False, rps: float | None = None,
+             cache_hit: float = 0.0) -> Outcome:
+    """Measure every variant (cached; on a Ray cluster with `ray_address`), read each one's request rate at `slo`
+    from its served curve, then write results.json, pareto.png, report.html and the recommended variant's model
+    directory (output/recommended) into `output`. With `rps`, the replicas each frontier variant needs for it
+    (`cache_hit` of requests never reaching the model). With `mixed`, first the per-projection sensitivity
+    (sensitivity.png), and two more variants: uniform w4 g32 and the knapsack's 4/8-bit mix at its size."""
     start = time.perf_counter()
     sweep = Sweep(model, variants, settings, cache_root, status)
     output.mkdir(parents=True, exist_ok=True)
@@ -70,10 +85,12 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
         raise LeanLMError("no variant could be measured: " + "; ".join(f"{k}: {v}" for k, v in sweep.failed.items()))
     base_ppl = next((r["perplexity"] / (1 + r["ppl_gap"]) for r in rows), None)
     for r in rows:
+        r["rps"], r["rps_at"] = served_rate(r["curve"], slo)
         r["over_budget"] = "; ".join(budget.breaks(r))
     fronts = frontiers(rows)
     for i, r in enumerate(rows):
         r["on_frontier"] = [axis for axis, front in fronts.items() if i in front]
+    plans = capacity(rows, sorted({i for f in fronts.values() for i in f}), rps, cache_hit, slo) if rps else {}
     best = recommend(rows, budget)
     command = None
     target = output / "recommended"
@@ -81,33 +98,33 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
         shutil.rmtree(target)
     if best is not None:
         shutil.copytree(rows[best]["model_dir"], target)
-        command = serve_command(rows[best], target)
+        command = serve_command(rows[best]["variant"], target, settings.compiled, settings.threads)
     title = f"leanlm optimize: {model}"
     summary = [
-        f"machine: {device_name()}, {rows[0]['threads']} thread(s) timed; "
+        f"machine: {device_name()}, served with "
+        f"{f'--threads {settings.threads}' if settings.threads else 'the threads leanlm serve picks'}; "
         f"budget: {_budget_text(budget)}",
         f"recommended: {rows[best]['name']} ({command})" if best is not None else
         "recommended: none; every variant breaks the budget (see the budget column)",
-        f"quality on {rows[0]['tokens']} tokens of {'the built-in evaluation text' if not settings.data else settings.data}; "
-        f"cost at batch 1: a {settings.prompt_tokens}-token prompt, {settings.new_tokens} new tokens"
-        + ((", compiled decode" + ("" if settings.cpp_wrapper else " (Python launcher)")) if settings.compiled
-           else ", eager decode")
-        + (f"; throughput with {settings.concurrency} requests at once" if settings.concurrency else ""),
+        f"quality on {rows[0]['tokens']} tokens of {settings.data or 'the built-in evaluation text'}",
+        "cost: each variant served with the command the report prints"
+        + (" (--compile: each level first loaded once, untimed, so its batch size's graph is built)"
+           if settings.compiled else "")
+        + f", loaded at concurrency {', '.join(map(str, settings.levels))} with requests of {settings.new_tokens} "
+        f"tokens on {describe(settings.prompts)}; TTFT and TPOT are the medians at concurrency 1, RPS the highest "
+        f"request rate measured with {', '.join(map(str, slo))}",
     ]
     summary += [f"not measured: {name}: {why}" for name, why in sweep.failed.items()]
-    if any(r.get("speedup") for r in rows):
-        summary.append("speculative variants' TPOT is the plain TPOT divided by the speedup measured A/B: prompt "
-                       "lookup on input-grounded prompts (summaries, extraction, edits; on free-form text it gains "
-                       "less, often nothing), a draft model on code prompts")
     ppl_limit = base_ppl * (1 + budget.ppl_gap) if budget.ppl_gap is not None and base_ppl else None
     write_png(rows, fronts, best, output / "pareto.png", title, ppl_limit)
-    write_html(rows, fronts, best, output / "report.html", title, summary, images)
+    write_html(rows, fronts, best, output / "report.html", title, summary, images, plans)
     (output / "results.json").write_text(json.dumps({
-        "model": model, "budget": asdict(budget), "settings": asdict(settings), "recommended": best,
+        "model": model, "budget": asdict(budget), "settings": asdict(settings), "slo": [str(t) for t in slo],
+        "rps": rps, "cache_hit": cache_hit, "capacity": plans, "recommended": best,
         "serve_command": command, "frontier": fronts, "rows": rows, "failed": sweep.failed,
         "seconds": time.perf_counter() - start,
     }, indent=1))
-    return Outcome(rows, best, command, output, sweep.failed)
+    return Outcome(rows, best, command, output, sweep.failed, plans)
 
 
 def _budget_text(budget: Budget) -> str:

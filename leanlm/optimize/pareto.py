@@ -25,13 +25,15 @@ def frontier(points: list[tuple[float, float]]) -> list[int]:
 class Budget:
     """What a variant may cost at most; None leaves a measure free.
 
-    latency_ms: batch-1 time per output token (TPOT); ttft_ms: time to the first token of a 128-token prompt;
-    memory_mb: resident weights; ppl_gap: perplexity at most (1 + ppl_gap) x the original's; kl: mean KL to the
-    original per token (nats); pass1: HumanEval pass@1 at least this (code models)."""
+    latency_ms: time per output token (TPOT) served alone; ttft_ms: time to the first token served alone;
+    memory_mb: resident weights; rps: requests/s one replica sustains within the SLO, at least this; ppl_gap:
+    perplexity at most (1 + ppl_gap) x the original's; kl: mean KL to the original per token (nats); pass1:
+    HumanEval pass@1 at least this (code models)."""
 
     latency_ms: float | None = None
     ttft_ms: float | None = None
     memory_mb: float | None = None
+    rps: float | None = None
     ppl_gap: float | None = None
     kl: float | None = None
     pass1: float | None = None
@@ -67,8 +69,9 @@ class Budget:
                                       ("kl", row.get("kl"), self.kl)):
             if limit is not None and (measured is None or measured > limit):
                 broken.append(f"{name} {_show(measured)} > {limit:g}")
-        if self.pass1 is not None and (row.get("pass1") is None or row["pass1"] < self.pass1):
-            broken.append(f"pass1 {_show(row.get('pass1'))} < {self.pass1:g}")
+        for name, limit in (("rps", self.rps), ("pass1", self.pass1)):  # at least
+            if limit is not None and (row.get(name) is None or row[name] < limit):
+                broken.append(f"{name} {_show(row.get(name))} < {limit:g}")
         return broken
 
 
@@ -77,11 +80,12 @@ def _show(value) -> str:
 
 
 def recommend(rows: list[dict], budget: Budget) -> int | None:
-    """Index of the variant to use: among those within the budget, the fastest (lowest TPOT) when the budget
-    bounds quality, else the most faithful (lowest KL); ties go to the smaller memory. None when none fits."""
+    """Index of the variant to use: among those within the budget, when the budget bounds quality the one that
+    serves the most requests/s within the SLO (ties: the lower TPOT), else the most faithful (lowest KL, ties: the
+    lower TPOT); then the smaller memory. None when none fits."""
     fit = [i for i, r in enumerate(rows) if not budget.breaks(r) and r.get("tpot_ms") is not None]
     if not fit:
         return None
     if budget.bounds_quality:
-        return min(fit, key=lambda i: (rows[i]["tpot_ms"], rows[i]["kl"], rows[i]["memory_mb"]))
+        return min(fit, key=lambda i: (-rows[i].get("rps", 0), rows[i]["tpot_ms"], rows[i]["kl"], rows[i]["memory_mb"]))
     return min(fit, key=lambda i: (rows[i]["kl"], rows[i]["tpot_ms"], rows[i]["memory_mb"]))

@@ -9,23 +9,27 @@ from pathlib import Path
 
 from leanlm.optimize.pareto import frontier
 
-AXES = {"tpot_ms": "TPOT, batch 1 (ms/token)", "memory_mb": "weights in memory (MB)"}
+AXES = {"tpot_ms": "TPOT served alone (ms/token)", "memory_mb": "weights in memory (MB)",
+        "rps": "requests/s one replica serves within the SLO"}
+HIGHER_IS_BETTER = ("rps",)  # the other axes are costs
 
 
 def frontiers(rows: list[dict]) -> dict[str, list[int]]:
-    """Indices of the rows on the perplexity-vs-cost frontier, per cost axis."""
-    return {axis: frontier([(r[axis], r["perplexity"]) for r in rows]) for axis in AXES}
+    """Indices of the rows on the perplexity-vs-cost frontier, per axis (the request rate counts as a negative cost)."""
+    sign = {axis: -1 if axis in HIGHER_IS_BETTER else 1 for axis in AXES}
+    return {axis: frontier([(sign[axis] * r[axis], r["perplexity"]) for r in rows]) for axis in AXES}
 
 
 def write_png(rows: list[dict], fronts: dict[str, list[int]], recommended: int | None, path: Path, title: str,
               ppl_limit: float | None = None) -> None:
-    """Perplexity against TPOT and against memory, side by side; the frontier drawn, the recommendation ringed."""
+    """Perplexity against TPOT, memory and requests/s at the SLO, side by side; the frontier drawn, the
+    recommendation ringed."""
     import matplotlib  # heavy: only the plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(AXES), figsize=(6.2 * len(AXES), 5.2), constrained_layout=True)
     for ax, (axis, label) in zip(axes, AXES.items()):
         front = fronts[axis]
         xs, ys = [r[axis] for r in rows], [r["perplexity"] for r in rows]
@@ -49,11 +53,15 @@ def write_png(rows: list[dict], fronts: dict[str, list[int]], recommended: int |
 
 
 def write_html(rows: list[dict], fronts: dict[str, list[int]], recommended: int | None, path: Path, title: str,
-               summary: list[str], images: list[str] = ()) -> None:
-    """report.html: both plots (pick the quality measure on Y), the recommendation, every row's numbers, and the
-    PNGs next to it (`images`, file names in the same folder)."""
-    data = json.dumps({"rows": rows, "recommended": recommended, "axes": AXES})
+               summary: list[str], images: list[str] = (), capacity: dict[str, list[str]] | None = None) -> None:
+    """report.html: the plots (pick the quality measure on Y; a variant's served curve on hover), the
+    recommendation, every row's numbers, the replicas each frontier variant needs (`capacity`, reasoned line by
+    line) and the PNGs next to it (`images`, file names in the same folder)."""
+    data = json.dumps({"rows": rows, "recommended": recommended, "axes": AXES, "better": HIGHER_IS_BETTER})
     notes = "".join(f"<li>{html.escape(line)}</li>" for line in summary)
+    if capacity:
+        notes += "".join(f"<li>capacity, {html.escape(name)}:<pre>{html.escape(chr(10).join(lines))}</pre></li>"
+                         for name, lines in capacity.items())
     figures = "".join(f'<p><img src="{html.escape(name)}" alt="{html.escape(name)}" style="max-width:100%"></p>'
                       for name in images)
     page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__NOTES__", notes).replace("__IMAGES__", figures)
@@ -94,11 +102,11 @@ function frontier(pts) {  // both coordinates costs; equal points both stay
 }
 function plot(axis, label, y) {
   const W = 560, H = 380, L = 64, R = 16, T = 16, B = 48;
-  const xs = rows.map(r => r[axis]), ys = rows.map(r => r[y]);
+  const xs = rows.map(r => r[axis]), ys = rows.map(r => r[y]), sign = D.better.includes(axis) ? -1 : 1;
   const pad = (lo, hi) => { const d = (hi - lo) || Math.abs(hi) || 1; return [lo - 0.08 * d, hi + 0.08 * d]; };
   const [x0, x1] = pad(Math.min(...xs), Math.max(...xs)), [y0, y1] = pad(Math.min(...ys), Math.max(...ys));
   const X = v => L + (v - x0) / (x1 - x0) * (W - L - R), Y = v => H - B - (v - y0) / (y1 - y0) * (H - T - B);
-  const front = frontier(rows.map(r => [r[axis], r[y]]));
+  const front = frontier(rows.map(r => [sign * r[axis], r[y]]));
   let s = `<svg width="${W}" height="${H}" viewBox="0 0 ${W} ${H}">`;
   const tick = (v, lo, hi) => v.toFixed(Math.max(0, Math.ceil(-Math.log10((hi - lo) / 4)) + 1));  // ticks stay distinct
   for (let k = 0; k <= 4; k++) {
@@ -120,9 +128,10 @@ function plot(axis, label, y) {
   return s + "</svg>";
 }
 const COLS = [["name", "variant"], ["perplexity", "ppl"], ["ppl_gap", "ppl gap"], ["kl", "KL"], ["top1", "top-1"],
-  ["dp_rms", "RMS Δp"], ["tpot_ms", "TPOT ms"], ["ttft_ms", "TTFT ms"], ["tokens_per_s", "tok/s"], ["throughput", "tok/s at N"],
+  ["dp_rms", "RMS Δp"], ["tpot_ms", "TPOT ms"], ["ttft_ms", "TTFT ms"], ["tokens_per_s", "tok/s"], ["rps", "RPS at SLO"],
+  ["throughput", "tok/s, top load"], ["replicas", "replicas"],
   ["memory_mb", "weights MB"], ["peak_memory_mb", "peak RSS MB"], ["bits_per_weight", "bits/weight"], ["mbu", "MBU"], ["mfu", "MFU"],
-  ["speedup", "lookup speedup"], ["pass1", "pass@1"], ["build_s", "build s"], ["budget", "budget"]];
+  ["pass1", "pass@1"], ["build_s", "build s"], ["budget", "budget"]];
 let sortKey = null, sortDir = 1;
 function table() {
   const order = rows.slice();
@@ -149,7 +158,9 @@ function draw() {
   const tip = document.getElementById("tip");
   document.querySelectorAll("circle[data-i]").forEach(c => {
     c.onmousemove = e => { const r = rows[+c.dataset.i];
-      tip.textContent = `${r.name}\\nperplexity ${fmt(r.perplexity, 5)} (gap ${(100 * r.ppl_gap).toFixed(2)}%)\\nKL ${fmt(r.kl)}  top-1 ${(100 * r.top1).toFixed(1)}%\\nTPOT ${fmt(r.tpot_ms)} ms  TTFT ${fmt(r.ttft_ms)} ms\\nweights ${fmt(r.memory_mb)} MB` + (r.over_budget ? `\\nover budget: ${r.over_budget}` : "");
+      tip.textContent = `${r.name}\\nperplexity ${fmt(r.perplexity, 5)} (gap ${(100 * r.ppl_gap).toFixed(2)}%)\\nKL ${fmt(r.kl)}  top-1 ${(100 * r.top1).toFixed(1)}%\\nTPOT ${fmt(r.tpot_ms)} ms  TTFT ${fmt(r.ttft_ms)} ms\\nweights ${fmt(r.memory_mb)} MB\\n${fmt(r.rps)} req/s within the SLO (${r.rps_at})\\nserved:` +
+        r.curve.map(c => `\\n  ${c.max_concurrency} at once: ${fmt(c.request_throughput)} req/s, ${fmt(c.output_throughput)} tok/s, TPOT p50 ${fmt(c.tpot_ms.p50)} ms, E2E p95 ${fmt(c.e2el_ms.p95)} ms`).join("") +
+        (r.over_budget ? `\\nover budget: ${r.over_budget}` : "");
       tip.style.display = "block"; tip.style.left = e.clientX + 12 + "px"; tip.style.top = e.clientY + 12 + "px"; };
     c.onmouseleave = () => tip.style.display = "none";
   });

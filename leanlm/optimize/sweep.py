@@ -2,8 +2,8 @@
 
 Everything measured is cached under `$LEANLM_CACHE/optimize/<model hash>/<environment hash>/` (`environment()`:
 leanlm's code, torch, the CPU, the kernels), keyed by what it depends on: a built model by its steps and
-calibration; a quality row by the model, KV cache and evaluation text; a cost row by all of the variant and the
-timing settings. A resumed (or repeated) sweep measures nothing twice; an upgraded one measures everything again.
+calibration; a quality row by the model, KV cache and evaluation text; a cost row (the variant served and timed
+under load, optimize.served) by all of the variant, the timing settings and the timing prompts' content. A resumed (or repeated) sweep measures nothing twice; an upgraded one measures everything again.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import torch
 
 from leanlm import kernels
 from leanlm.bench.compare import sizes
-from leanlm.bench.cost import isolated, last_line
+from leanlm.analysis.memory import weight_bytes_read
+from leanlm.bench.cost import last_line
 from leanlm.bench.probe import device_name
+from leanlm.bench.workload import passage_prompts, read_prompts
 from leanlm.cache.int8 import Int8KVCache
 from leanlm.errors import LeanLMError
 from leanlm.eval.datasets import load_text
@@ -34,8 +36,10 @@ from leanlm.eval.perplexity import perplexity, score
 from leanlm.fetch import cache_dir
 from leanlm.models.loading import load
 from leanlm.models.zoo import resolve
+from leanlm.optimize.served import measure_served, serve_args, served_utilization
 from leanlm.optimize.variants import Variant, digest
 from leanlm.runtime import cpu_count
+from leanlm.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,13 @@ class Settings:
     reference_dtype: str = "bfloat16"  # the original that KL, top-1 and the perplexity gap are measured against
     samples: int = 128  # calibration windows for methods that need data
     seq_len: int = 512
-    prompt_tokens: int = 128  # batch-1 timing: prompt length (TTFT) and decoded tokens (TPOT)
-    new_tokens: int = 64
-    compiled: bool = True  # batch-1 decode as a torch.compile'd step, as `leanlm serve --compile` runs it
-    cpp_wrapper: bool = True  # that step's launcher in C++ (as served); Python's compiles in half the time
+    prompt_tokens: int = 128  # timing (optimize.served): passage length of the built-in prompts
+    new_tokens: int = 64  # tokens each timed request generates
+    prompts: str | None = None  # the user's timing prompts (JSONL; None: passages of the evaluation text)
+    levels: tuple[int, ...] = (1, 4, 16)  # concurrencies the served variant is loaded at (1 first: TTFT, TPOT)
+    requests: int = 32  # timed requests per level (at least twice the level)
+    compiled: bool = True  # served with --compile (decode steps as compiled graphs)
     threads: int | None = None
-    concurrency: int = 0  # requests in the serving engine at once for the throughput column (0: not measured)
     humaneval: int = 0  # HumanEval problems for pass@1 (code models; 0: not measured)
 
 
@@ -73,18 +78,19 @@ class Measured:
     memory_mb: float  # resident weights
     disk_mb: float
     bits_per_weight: float
-    ttft_ms: float
-    tpot_ms: float
-    tokens_per_s: float
+    weight_bytes: int  # read by each decode step
+    ttft_ms: float  # served, concurrency 1: median time to the first token
+    tpot_ms: float  # served, concurrency 1: median time per output token after the first
+    tokens_per_s: float  # 1000 / tpot_ms
     mbu: float
     mfu: float
-    peak_memory_mb: float  # peak RSS of the timing process
-    threads: int
+    peak_memory_mb: float | None  # peak RSS of the server process
+    threads: int | None  # --threads given to the server (None: its own choice)
+    throughput: float  # output tokens/s at the highest level timed
+    curve: list[dict]  # bench.serve summaries, one per level (optimize.plan reads the RPS at an SLO from them)
     build_s: float = 0.0  # making the variant (quantize/prune), 0 for the model as it is
-    quality_s: float = 0.0  # measuring its quality, and its cost (a fresh process: loading and compiling included)
-    cost_s: float = 0.0
-    throughput: float | None = None  # output tokens/s with Settings.concurrency requests at once
-    speedup: float | None = None  # speculative decoding: measured over plain decoding (bench.speculative)
+    quality_s: float = 0.0  # measuring its quality
+    cost_s: float = 0.0  # serving it and timing every level (start-up and compilation included)
     pass1: float | None = None  # HumanEval pass@1 (code models)
 
     def to_dict(self) -> dict:
@@ -131,6 +137,7 @@ class Sweep:
         _write_json(self.root / "environment.json", env)
         self._reference = None
         self._ids = None
+        self._prompts = None
 
     def run(self, on_row=lambda row: None, ray_address: str | None = None) -> list[Measured]:
         """Every variant's row, in order; with `ray_address` ("local": a new local instance) the variants not
@@ -181,7 +188,8 @@ class Sweep:
         return [done[v.name] for v in self.variants if v.name in done]
 
     def _row_path(self, variant: Variant) -> Path:
-        return self.root / "rows" / f"{digest(['row', variant.to_dict(), asdict(self.settings)])}.json"
+        prompts = model_hash(Path(self.settings.prompts)) if self.settings.prompts else None  # the file's content
+        return self.root / "rows" / f"{digest(['row', variant.to_dict(), asdict(self.settings), prompts])}.json"
 
     def measure(self, variant: Variant) -> Measured:
         path = self._row_path(variant)
@@ -191,8 +199,8 @@ class Sweep:
         start = time.perf_counter()
         quality = self.quality(variant, model_dir)
         middle = time.perf_counter()
-        self.status(f"{variant.name}: timing")
-        cost = self.cost(variant, model_dir)
+        self.status(f"{variant.name}: serving it, timing {len(self.settings.levels)} loads")
+        cost = self.cost(variant, model_dir, quality["weight_bytes"])
         row = Measured(name=variant.name, variant=variant.to_dict(), model_dir=str(model_dir), build_s=build_s,
                        quality_s=middle - start, cost_s=time.perf_counter() - middle, **quality, **cost)
         _write_json(path, row.to_dict())
@@ -247,7 +255,7 @@ class Sweep:
         result = dict(perplexity=ppl.perplexity, ppl_gap=ppl.perplexity / base_ppl - 1 if base_ppl else 0.0,
                       kl=max(agree.kl, 0.0), top1=agree.top1, dp=list(agree.dp), dp_rms=agree.dp_rms,
                       tokens=ppl.tokens, memory_mb=size["memory_mb"], disk_mb=size["disk_mb"],
-                      bits_per_weight=size["bits_per_weight"])
+                      bits_per_weight=size["bits_per_weight"], weight_bytes=weight_bytes_read(net))
         if s.humaneval:
             result["pass1"] = self._pass1(variant, net, tok)
         _write_json(path, result)
@@ -278,16 +286,22 @@ class Sweep:
         _write_json(path, {"perplexity": value})
         return value
 
-    def cost(self, variant: Variant, model_dir: Path) -> dict:
-        """Batch-1 TTFT/TPOT, MBU/MFU, peak memory (and throughput) in a fresh process (bench.cost)."""
+    def cost(self, variant: Variant, model_dir: Path, weight_bytes: int) -> dict:
+        """The variant served as the report prints it, timed at each level on the timing prompts (optimize.served)."""
         s = self.settings
-        r = isolated(f"variant {variant.name}", model=str(model_dir), dtype=variant.dtype, kv_cache=variant.kv_cache,
-                     prompt_lookup=variant.prompt_lookup, draft=variant.draft,
-                     compiled=s.compiled and variant.kv_cache != "int8",  # the engine runs int8-KV steps eager
-                     cpp_wrapper=s.cpp_wrapper, threads=s.threads, prompt_tokens=s.prompt_tokens,
-                     new_tokens=s.new_tokens, concurrency=s.concurrency)
-        return {k: r.get(k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "mbu", "mfu", "peak_memory_mb", "threads",
-                                      "throughput", "speedup")}
+        r = measure_served(model_dir, serve_args(variant.to_dict(), s.compiled, s.threads), self.prompts(), s.levels,
+                           s.requests, s.new_tokens)
+        mbu, mfu = served_utilization(model_dir, variant.dtype, variant.kv_cache, weight_bytes, r.pop("prompt_tokens"),
+                                      s.new_tokens, r["ttft_ms"], r["tpot_ms"], s.threads or cpu_count())
+        return {**r, "mbu": mbu, "mfu": mfu, "threads": s.threads}
+
+    def prompts(self) -> list:
+        """The timing prompts: the user's file, or passages of the evaluation text (bench.workload)."""
+        if self._prompts is None:
+            s = self.settings
+            self._prompts = (read_prompts(s.prompts) if s.prompts else
+                             passage_prompts(Tokenizer(self.source), 64, s.prompt_tokens, "evaluation"))
+        return self._prompts
 
 
 def _measure_on_worker(source: str, variant: dict, settings: dict, root: str) -> dict:

@@ -36,3 +36,26 @@ def test_bench_serve_measures_a_leanlm_server(tiny_dir, tmp_path):
     assert png.stat().st_size > 10_000
     r = leanlm("bench", "serve", "http://127.0.0.1:9", "--num-prompts", "1", "--model-name", "x")
     assert r.returncode == 2 and "warm-up request failed" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_serve_sends_a_prompt_file_as_completions_and_chats(tiny_dir, tmp_path):
+    """--prompts: text lines go to /v1/completions, message lines to /v1/chat/completions (the server's usage counts
+    their tokens: the chat's template makes it longer than its text); a bad file is refused before any server."""
+    from leanlm.tokenizer import Tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog"
+    runs = {}
+    for name, line in (("text", {"prompt": text}), ("chat", {"messages": [{"role": "user", "content": text}]})):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text(json.dumps(line) + "\n")
+        r = leanlm("bench", "serve", tiny_dir, "--num-prompts", "3", "--output-len", "4", "--prompts", f, "--json",
+                   "--max-concurrency", "1", "--serve-args", "--dtype float32 --threads 1 --kv-cache-memory 16MiB")
+        assert r.returncode == 0, r.stderr
+        runs[name] = json.loads(r.stdout)
+        assert runs[name]["failed"] == 0 and runs[name]["output_throughput"] > 0
+    tokens = {name: run["total_token_throughput"] * run["duration_s"] - 3 * 4 for name, run in runs.items()}
+    assert tokens["text"] == pytest.approx(3 * len(Tokenizer(tiny_dir).encode(text)))
+    assert tokens["chat"] > tokens["text"]
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
+    r = leanlm("bench", "serve", tiny_dir, "--prompts", tmp_path / "bad.jsonl")
+    assert r.returncode == 2 and "line 1" in r.stderr and "Traceback" not in r.stderr

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import random
+import shlex
 import shutil
 import subprocess
 
@@ -11,6 +13,8 @@ import pytest
 
 from leanlm.errors import LeanLMError
 from leanlm.optimize.pareto import Budget, frontier, recommend
+from leanlm.optimize.plan import parse_slo
+from leanlm.optimize.served import serve_args
 from leanlm.optimize.variants import Variant, read_variants
 
 
@@ -36,6 +40,7 @@ def test_budget_parses_terms_and_names_what_a_row_breaks():
     row = dict(tpot_ms=12.0, memory_mb=150.0, ppl_gap=0.01, kl=0.1, ttft_ms=50.0)
     assert b.breaks(row) == ["latency_ms 12 > 10"]
     assert Budget.parse("pass1=0.5").breaks(row) == ["pass1 not measured < 0.5"]
+    assert Budget.parse("rps=2").breaks({**row, "rps": 1.5}) == ["rps 1.5 < 2"] and not Budget(rps=1).breaks({"rps": 1})
     for bad, message in (("speed=3", "one of"), ("kl", "NAME=VALUE"), ("kl=abc", "not a number"), ("kl=-1", "negative")):
         with pytest.raises(LeanLMError, match=message):
             Budget.parse(bad)
@@ -45,17 +50,19 @@ def test_budget_parses_terms_and_names_what_a_row_breaks():
 def test_the_recommendation_fits_the_budget_and_is_the_best_that_does(seed):
     rng = random.Random(seed)
     rows = [dict(tpot_ms=rng.uniform(5, 20), ttft_ms=rng.uniform(50, 200), memory_mb=rng.uniform(50, 300),
-                 ppl_gap=rng.uniform(0, 0.1), kl=rng.uniform(0, 0.2)) for _ in range(8)]
+                 ppl_gap=rng.uniform(0, 0.1), kl=rng.uniform(0, 0.2), rps=rng.uniform(0, 4)) for _ in range(8)]
     budget = Budget(latency_ms=rng.choice([None, 12.0]), memory_mb=rng.choice([None, 150.0]),
-                    ppl_gap=rng.choice([None, 0.03]))
+                    ppl_gap=rng.choice([None, 0.03]), rps=rng.choice([None, 1.5]))
     fits = [i for i, r in enumerate(rows) if not budget.breaks(r)]
     best = recommend(rows, budget)
     if not fits:
         assert best is None
         return
     assert best in fits
-    measure = "tpot_ms" if budget.bounds_quality else "kl"
-    assert rows[best][measure] == min(rows[i][measure] for i in fits)
+    if budget.bounds_quality:  # the most requests/s within the SLO
+        assert rows[best]["rps"] == max(rows[i]["rps"] for i in fits)
+    else:  # the most faithful
+        assert rows[best]["kl"] == min(rows[i]["kl"] for i in fits)
 
 
 def test_variants_come_from_yaml_with_clear_errors(tmp_path):
@@ -91,16 +98,16 @@ def swept(tmp_path_factory):
     variants = (Variant("f32", dtype="float32"), Variant("w8", ({"method": "rtn", "bits": 8},), dtype="float32"),
                 Variant("w8 kv8 lookup", ({"method": "rtn", "bits": 8},), dtype="float32", kv_cache="int8",
                         prompt_lookup=2))
-    settings = Settings(reference_dtype="float32", eval_tokens=600, samples=2, seq_len=64, prompt_tokens=16, new_tokens=8, compiled=False,
-                        threads=1, concurrency=2)
-    args = (str(model), variants, Budget.parse("ppl_gap=0.5"), settings, out)
-    return optimize(*args, cache_root=cache, mixed=True), args, cache
+    settings = Settings(reference_dtype="float32", eval_tokens=600, samples=2, seq_len=64, prompt_tokens=16,
+                        new_tokens=8, levels=(1, 2), requests=3, compiled=False, threads=1)
+    args = (str(model), variants, Budget.parse("ppl_gap=0.5"), settings, out, parse_slo("p95_e2e=60s"))
+    return optimize(*args, cache_root=cache, mixed=True, rps=1000, cache_hit=0.2), args, cache
 
 
 def test_a_sweep_measures_every_variant_and_writes_its_outputs(swept):
     import matplotlib.image
 
-    outcome, (model, variants, budget, settings, out), _ = swept
+    outcome, (model, variants, budget, settings, out, _), _ = swept
     rows = outcome.rows
     assert [r["name"] for r in rows] == [v.name for v in variants] + ["w4 rtn g32+head8", "mixed 4/8 rtn+head8"]
     base, w8, kv8, w4, mixed = rows
@@ -110,13 +117,27 @@ def test_a_sweep_measures_every_variant_and_writes_its_outputs(swept):
     assert base["kl"] == 0 and base["ppl_gap"] == 0 and base["top1"] == 1 and base["build_s"] == 0
     assert w8["kl"] > 0 and w8["memory_mb"] < base["memory_mb"] and w8["bits_per_weight"] < 32
     assert kv8["kl"] != w8["kl"]  # the int8 cache changes what attention sees
-    assert kv8["speedup"] > 0 and w8["speedup"] is None and all(r["throughput"] > 0 for r in rows)
-    assert all(r["tpot_ms"] > 0 and r["ttft_ms"] > 0 and len(r["dp"]) == 7 for r in rows)
+    for r in rows:  # served at concurrency 1 and 2, 3 requests each; the SLO is loose: the faster level's rate
+        assert [(c["max_concurrency"], c["requests"], c["failed"]) for c in r["curve"]] == [(1, 3, 0), (2, 4, 0)]
+        fastest = max(r["curve"], key=lambda c: c["request_throughput"])
+        assert r["rps"] == fastest["request_throughput"] > 0 and r["rps_at"] == f"concurrency {fastest['max_concurrency']}"
+        assert r["throughput"] == r["curve"][1]["output_throughput"] and r["peak_memory_mb"] > 0
+        assert r["tpot_ms"] == r["curve"][0]["tpot_ms"]["p50"] > 0 and r["ttft_ms"] > 0 and 0 < r["mbu"] < 1
+        assert len(r["dp"]) == 7
     assert outcome.best is not None and not outcome.best["over_budget"]
-    assert outcome.serve_command.startswith(f"leanlm serve {out / 'recommended'}")
-    # compiled steps, except with an int8 KV cache, whose steps the engine runs eager
-    assert ("--compile" in outcome.serve_command) == (outcome.best["variant"]["kv_cache"] != "int8")
+    assert outcome.best["rps"] == max(r["rps"] for r in outcome.rows if not r["over_budget"])
+    # the command the variant was timed with: eager (compiled=False), its flags, the threads
+    assert outcome.serve_command == shlex.join(["leanlm", "serve", str(out / "recommended"),
+                                                *serve_args(outcome.best["variant"], False, 1)])
+    assert outcome.serve_command.endswith("--threads 1") and "--compile" not in outcome.serve_command
     assert (out / "recommended" / "config.json").exists()
+    # capacity for 1000 req/s with 20% cache hits, per frontier variant: leanlm plan's arithmetic on its curve
+    frontier = {r["name"] for r in outcome.rows if r["on_frontier"]}
+    assert set(outcome.capacity) == frontier
+    for r in outcome.rows:
+        if r["name"] in frontier:
+            assert r["replicas"] == math.ceil(800 / r["rps"]) > 1
+            assert f"replicas: ceil(800 / {r['rps']:.4g}) = {r['replicas']}" in outcome.capacity[r["name"]]
     saved = json.loads((out / "results.json").read_text())
     assert saved["recommended"] == outcome.recommended and len(saved["rows"]) == 5
     assert all(r["on_frontier"] for r in rows if r is outcome.best)
@@ -140,7 +161,7 @@ def test_a_repeated_sweep_measures_nothing_twice(swept, monkeypatch):
     for name in ("build", "quality", "cost"):
         monkeypatch.setattr(sweep.Sweep, name, fail)
     monkeypatch.setattr(sensitivity, "layer_sensitivity", fail)
-    again = optimize(*args, cache_root=cache, mixed=True)
+    again = optimize(*args, cache_root=cache, mixed=True, rps=1000, cache_hit=0.2)
     assert again.rows == outcome.rows
 
 
@@ -158,8 +179,8 @@ def test_a_report_opens_in_a_headless_browser(swept, tmp_path):
     dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
     assert 'data-errors=""' in dom and 'data-drawn="1"' in dom
     drawn = dom.split("<script>")[0]  # the page as the script left it, without the script's own text
-    assert drawn.count("<svg") == 2 and drawn.count("<tr") == len(outcome.rows) + 1
-    assert drawn.count('class="rec"') == 2  # the recommendation ringed in both plots
+    assert drawn.count("<svg") == 3 and drawn.count("<tr") == len(outcome.rows) + 1
+    assert drawn.count('class="rec"') == 3  # the recommendation ringed in every plot
     assert shot.stat().st_size > 10_000
 
 
@@ -184,7 +205,7 @@ def test_a_sweep_fans_out_over_a_local_ray_instance(swept, tmp_path):
 
     from leanlm.optimize.sweep import Sweep
 
-    outcome, (model, variants, budget, settings, out), _ = swept
+    outcome, (model, variants, budget, settings, out, _), _ = swept
     sweep = Sweep(model, variants[:2], settings, tmp_path)
     try:
         rows = sweep.run(ray_address="local")
@@ -203,7 +224,7 @@ def test_a_changed_environment_measures_again(swept, monkeypatch, change):
     the kernels' sources) names another folder: after an upgrade no cached row comes back as measured."""
     from leanlm.optimize import sweep as module
 
-    _, (model, variants, _, settings, _), cache = swept
+    _, (model, variants, _, settings, _, _), cache = swept
     before = module.Sweep(model, variants[:1], settings, cache)
     assert before._row_path(variants[0]).exists()  # the fixture's sweep measured it
     patches = {"leanlm": ("version", lambda name: "99.0"),
@@ -239,43 +260,47 @@ def test_optimize_cli_prints_the_table_and_the_serve_command(tmp_path):
         shutil.copy(cache_dir() / "probe.json", cache / "probe.json")
     (tmp_path / "v.yaml").write_text("- {name: f32, dtype: float32}\n")
     cmd = [sys.executable, "-m", "leanlm.cli", "optimize", str(model), "--recipes", str(tmp_path / "v.yaml"), "--eager",
-           "--eval-tokens", "300", "--concurrency", "0", "--threads", "1", "--budget", "memory_mb=100",
+           "--eval-tokens", "300", "--levels", "1", "--threads", "1", "--budget", "memory_mb=100",
            "-o", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LEANLM_CACHE": str(cache)},
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "f32 *" in proc.stdout and f"leanlm serve {tmp_path / 'out' / 'recommended'} --compile --dtype float32" in proc.stdout
+    command = f"leanlm serve {tmp_path / 'out' / 'recommended'} --dtype float32 --threads 1"  # --eager: no --compile
+    assert "f32 *" in proc.stdout and command in proc.stdout
     assert json.loads((tmp_path / "out" / "results.json").read_text())["recommended"] == 0
-    assert "f32: quality" in proc.stderr and "f32: timing" in proc.stderr  # a log sees each step (not a terminal)
+    assert "f32: quality" in proc.stderr and "f32: serving it" in proc.stderr  # a log sees each step (not a terminal)
 
 
 def test_serve_commands_follow_the_variant_and_drafts_come_from_the_zoo():
     from pathlib import Path
 
-    from leanlm.optimize.job import serve_command
+    from leanlm.optimize.served import serve_command
     from leanlm.optimize.variants import draft_variants
 
-    row = {"variant": Variant("v", dtype="float16", kv_cache="int8", prompt_lookup=3).to_dict()}
-    assert serve_command(row, Path("d")) == "leanlm serve d --dtype float16 --kv-cache int8 --prompt-lookup 3"  # eager
+    variant = Variant("v", dtype="float16", kv_cache="int8", prompt_lookup=3).to_dict()
+    # compiled, but the engine runs an int8 KV cache's steps eager: no --compile
+    assert serve_command(variant, Path("d"), True) == "leanlm serve d --dtype float16 --kv-cache int8 --prompt-lookup 3"
     draft = draft_variants("qwen2.5-coder-1.5b")
     assert draft and all(v.draft == "qwen2.5-coder-0.5b" for v in draft) and draft_variants("smollm2-135m") == ()
-    assert serve_command({"variant": draft[0].to_dict()}, Path("d")) == "leanlm serve d --compile --draft qwen2.5-coder-0.5b"
+    assert (serve_command(draft[0].to_dict(), Path("d"), True, 2)
+            == "leanlm serve d --compile --draft qwen2.5-coder-0.5b --threads 2")
+    assert serve_command(draft[0].to_dict(), Path("d"), False) == "leanlm serve d --draft qwen2.5-coder-0.5b"
     with pytest.raises(LeanLMError, match="not both"):
         Variant("x", draft="a", prompt_lookup=2)
 
 
-def test_a_draft_variant_is_timed_against_plain_decoding(tiny_dir):
-    import torch
+def test_a_draft_variant_is_timed_as_served(tiny_dir):
+    """A speculative variant's cost is its server's, speculating with the draft (here the model drafting for itself),
+    on passages of the evaluation text: no speedup measured elsewhere divides its TPOT."""
+    from leanlm.bench.workload import passage_prompts
+    from leanlm.optimize.served import measure_served, serve_args
+    from leanlm.tokenizer import Tokenizer
 
-    from leanlm.bench.cost import measure
-
-    threads = torch.get_num_threads()
-    try:
-        r = measure(str(tiny_dir), "float32", "auto", 0, str(tiny_dir), compiled=False, cpp_wrapper=True, threads=1,
-                    prompt_tokens=8, new_tokens=8, concurrency=0)
-    finally:
-        torch.set_num_threads(threads)
-    assert r["speedup"] > 0 and r["acceptance"] == 1.0  # the model drafting for itself: every token accepted
+    variant = Variant("draft", dtype="float32", draft=str(tiny_dir)).to_dict()
+    prompts = passage_prompts(Tokenizer(tiny_dir), 4, 16)
+    r = measure_served(tiny_dir, serve_args(variant, False, 1), prompts, (1, 3), 2, 6)
+    assert [c["max_concurrency"] for c in r["curve"]] == [1, 3] and r["curve"][1]["requests"] == 6
+    assert all(c["failed"] == 0 for c in r["curve"]) and r["tpot_ms"] > 0 and r["prompt_tokens"] > 10
 
 
 def test_a_variant_that_fails_is_reported_and_the_others_go_on(tmp_path):
@@ -289,8 +314,9 @@ def test_a_variant_that_fails_is_reported_and_the_others_go_on(tmp_path):
     variants = (Variant("f32", dtype="float32"),  # 7 layers asked of a model of 2: the prune step fails
                 Variant("cut", ({"method": "layers", "num_layers": 7},), dtype="float32"))
     settings = Settings(reference_dtype="float32", eval_tokens=300, samples=2, seq_len=32, prompt_tokens=8,
-                        new_tokens=4, compiled=False, threads=1)
-    outcome = optimize(str(tmp_path / "m"), variants, Budget(), settings, tmp_path / "out", cache_root=tmp_path / "c")
+                        new_tokens=4, levels=(1,), requests=2, compiled=False, threads=1)
+    outcome = optimize(str(tmp_path / "m"), variants, Budget(), settings, tmp_path / "out", parse_slo("p95_e2e=60s"),
+                       cache_root=tmp_path / "c")
     assert [r["name"] for r in outcome.rows] == ["f32"] and list(outcome.failed) == ["cut"]
     assert "building variant cut failed" in outcome.failed["cut"]
     assert "not measured: cut" in (tmp_path / "out" / "report.html").read_text()

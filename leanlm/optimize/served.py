@@ -10,6 +10,7 @@ is first loaded once, untimed, with that many requests at once; an eager server 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shlex
 from pathlib import Path
 
@@ -52,32 +53,31 @@ def measure_served(model_dir: Path, args: list[str], prompts: list, levels: tupl
                    new_tokens: int) -> dict:
     """Serve `model_dir` with `args`; at each concurrency of `levels` send max(requests, 2 x level) streamed
     requests of `new_tokens` tokens (greedy, ignore_eos), cycling through `prompts`. Returns the level-1 TTFT/TPOT
-    medians, the curve (bench summaries), the top level's output tokens/s and the server's peak RSS."""
+    medians and mean prompt length, the curve (bench summaries), the top level's output tokens/s and the server's
+    peak RSS."""
     if levels[0] != 1:
         raise LeanLMError("the first timing level must be concurrency 1 (it gives TTFT and TPOT)")
     compiled = "--compile" in args
-    curve, used = [], 0
-
-    def take(n: int) -> list:
-        nonlocal used
-        batch = [prompts[(used + i) % len(prompts)] for i in range(n)]
-        used += n
-        return batch
-
+    queue = itertools.cycle(prompts)
+    curve = []
     with LocalServer.leanlm(str(model_dir), "variant", args) as server:
-        load = lambda batch, level, warmup=0: asyncio.run(run_load(  # noqa: E731
-            server.url, "variant", batch, new_tokens, max_concurrency=level, warmup=warmup))
-        for i, level in enumerate(levels):
+
+        def load(n: int, level: int, warmup: int = 0):
+            batch = list(itertools.islice(queue, n))
+            return asyncio.run(run_load(server.url, "variant", batch, new_tokens, max_concurrency=level,
+                                        warmup=warmup))
+
+        for level in levels:
             if compiled:  # this batch size's graph is built before the level is timed
-                load(take(level), level)
-            results, seconds = load(take(max(requests, 2 * level)), level, warmup=int(i == 0 and not compiled))
-            summary = summarize(results, seconds)
-            if summary["failed"] == summary["requests"]:
-                raise LeanLMError(f"every request failed at concurrency {level}: "
-                                  f"{next(r.error for r in results if not r.ok)}")
-            curve.append({k: v for k, v in {**summary, "max_concurrency": level}.items() if k in CURVE_KEYS})
-            if i == 0:
-                prompt_tokens = sum(r.prompt_tokens for r in results if r.ok) / max(1, summary["requests"] - summary["failed"])
+                load(level, level)
+            results, seconds = load(max(requests, 2 * level), level, warmup=int(level == 1 and not compiled))
+            ok = [r for r in results if r.ok]
+            if not ok:
+                raise LeanLMError(f"every request failed at concurrency {level}: {results[0].error}")
+            if level == 1:
+                prompt_tokens = sum(r.prompt_tokens for r in ok) / len(ok)
+            curve.append({k: v for k, v in {**summarize(results, seconds), "max_concurrency": level}.items()
+                          if k in CURVE_KEYS})
         peak_mb = _peak_rss_mb(server.proc.pid)
     first = curve[0]
     return {"ttft_ms": first["ttft_ms"]["p50"], "tpot_ms": first["tpot_ms"]["p50"],

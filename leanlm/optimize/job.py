@@ -115,6 +115,7 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
         f"request rate measured with {', '.join(map(str, slo))}",
     ]
     summary += [f"not measured: {name}: {why}" for name, why in sweep.failed.items()]
+    summary += _slower_than_original(rows, settings.levels[-1])
     ppl_limit = base_ppl * (1 + budget.ppl_gap) if budget.ppl_gap is not None and base_ppl else None
     write_png(rows, fronts, best, output / "pareto.png", title, ppl_limit)
     write_html(rows, fronts, best, output / "report.html", title, summary, images, plans)
@@ -125,6 +126,20 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
         "seconds": time.perf_counter() - start,
     }, indent=1))
     return Outcome(rows, best, command, output, sweep.failed, plans)
+
+
+def _slower_than_original(rows: list[dict], top: int) -> list[str]:
+    """A line for each variant that serves fewer output tokens/s at the top load than the original as it is (the
+    unchanged bf16 model, when swept): compression or speculation that costs throughput is flagged, not left to be
+    read off a column."""
+    plain = {"dtype": "bfloat16", "kv_cache": "auto", "prompt_lookup": 0, "draft": ""}
+    base = next((r for r in rows if not r["variant"]["steps"] and all(r["variant"][k] == v for k, v in plain.items())),
+                None)
+    if base is None:
+        return []
+    return [f"{r['name']} serves less than {base['name']} under load: {r['throughput']:.0f} against "
+            f"{base['throughput']:.0f} output tokens/s at concurrency {top}, {r['rps']:.2f} against {base['rps']:.2f} "
+            "requests/s within the SLO" for r in rows if r["throughput"] < base["throughput"]]
 
 
 def _budget_text(budget: Budget) -> str:

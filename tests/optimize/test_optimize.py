@@ -320,3 +320,19 @@ def test_a_variant_that_fails_is_reported_and_the_others_go_on(tmp_path):
     assert [r["name"] for r in outcome.rows] == ["f32"] and list(outcome.failed) == ["cut"]
     assert "building variant cut failed" in outcome.failed["cut"]
     assert "not measured: cut" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_a_variant_that_serves_less_than_the_original_is_flagged():
+    from leanlm.optimize.job import _slower_than_original
+
+    def row(name, throughput, rps, **variant):
+        return {"name": name, "throughput": throughput, "rps": rps, "variant": Variant(name, **variant).to_dict()}
+
+    rows = [row("w8", 290, 2.8, steps=({"method": "rtn", "bits": 8},)), row("bf16", 207, 1.6),
+            row("lookup", 169, 2.0, prompt_lookup=3), row("fp16", 49, 0.4, dtype="float16")]
+    notes = _slower_than_original(rows, 16)
+    assert notes == ["lookup serves less than bf16 under load: 169 against 207 output tokens/s at concurrency 16, "
+                     "2.00 against 1.60 requests/s within the SLO",
+                     "fp16 serves less than bf16 under load: 49 against 207 output tokens/s at concurrency 16, "
+                     "0.40 against 1.60 requests/s within the SLO"]
+    assert _slower_than_original(rows[2:], 16) == []  # no unchanged bf16 row: nothing to compare with

@@ -77,18 +77,22 @@ def test_bf16_gemm_matches_float(ops, N, K, M):
 def test_a_bf16_linear_runs_the_kernel_for_a_few_rows_and_keeps_autograd(monkeypatch):
     calls = []
     real = kernels.ops().bf16_gemm if kernels.ops() is not None else None
-    if real is None or not kernels.bf16_product(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)):
+    if real is None or kernels.ops().bf16_isa() == "portable":
         pytest.skip("no vector bf16 loop in this build")
     from leanlm.models.layers import Linear
 
     layer = Linear(64, 24, bias=True).bfloat16()
     x = torch.randn(3, 64).bfloat16()
     ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert kernels.bf16_rows() in (0, *kernels.BF16_ROWS)  # measured once; later calls read it
+    monkeypatch.setitem(kernels._loaded, "bf16_rows", 4)  # as if the kernel were measured faster up to 4 rows
     monkeypatch.setattr(kernels, "ops", lambda: type("Ops", (), {"bf16_gemm": lambda *a: calls.append(1) or real(*a)}))
     with torch.no_grad():
         y = layer(x)
-    assert calls and _rel(y, ref) < 2 ** -7
-    calls.clear()
+        assert calls and _rel(y, ref) < 2 ** -7
+        calls.clear()
+        layer(torch.randn(5, 64).bfloat16())  # more rows than measured faster: torch's GEMM
+        assert not calls
     layer(x).sum().backward()  # weights that want gradients take torch's product, which has a backward
     assert not calls and layer.weight.grad is not None
 

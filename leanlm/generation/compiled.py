@@ -12,6 +12,7 @@ import types
 
 import torch
 
+from leanlm import kernels
 from leanlm.cache.base import UpdateThenAttend
 from leanlm.cache.static import StaticCache
 from leanlm.cache.int8 import dequantize_per_token, quantize_per_token
@@ -79,6 +80,7 @@ class StepCompiler:
         """`model` must not change (weights, dtype, modules) once compiled. cuda_graphs: on a GPU, replay each
         step as a CUDA graph (see _GraphedPlan)."""
         self.model, self.step, self.cuda_graphs = model, fn, cuda_graphs
+        kernels.bf16_rows()  # timed now, eagerly: the traced Linear reads it
         self._plans: dict[tuple, _Plan | None] = {}
         self._compiled: dict[tuple, object] = {}  # key -> its own torch.compile'd copy of fn
         self._captured: tuple | None = None

@@ -26,6 +26,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -35,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"))  # one extension; sparse.cpp adds its ops to the namespace
 HEADER = Path(__file__).with_name("common.h")  # what both share (Rows, the ISA selection): in the hash, not compiled alone
 MAX_ROWS = 16  # rows of x up to which W8A16 runs the kernel; beyond, one bf16 GEMM on the codes (compute-bound)
-BF16_ROWS = 16  # rows of x up to which a bf16 Linear runs bf16_gemm (where the CPU has a fast loop for it)
+BF16_ROWS = (1, 2, 4, 8, 16)  # row counts at which bf16_gemm is timed against torch's GEMM (bf16_rows)
 
 
 # isa -> the flags that select cpu.cpp's loops; -march=native picks the best the CPU has
@@ -95,15 +96,47 @@ def ops():
 
 
 def bf16_product(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether bf16_gemm should compute x @ w.T: both bf16 on a CPU whose build has vector loops for it."""
+    """Whether bf16_gemm should compute x @ w.T: both bf16 on a CPU whose build has vector loops for it, and x has
+    no more rows than bf16_gemm was measured to be faster at (`bf16_rows`)."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not x.is_cpu:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False  # the op has no backward
-    if "bf16" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
+    return x.numel() <= bf16_rows() * x.shape[-1]
+
+
+def bf16_rows() -> int:
+    """Rows of x up to which bf16_gemm is faster than torch's bf16 GEMM on this CPU (0: never), timed once per
+    process (~20 ms) on an 8 MB weight, beyond the L2 cache as a model's are. The two differ by CPU: on Zen 4 torch's
+    GEMM read weights at 2-14 GB/s at 2-8 rows against the kernel's 17 at one row, so the kernel won up to 16 rows;
+    with AMX (Sapphire Rapids) torch's GEMM streams at ~25 GB/s at any of those row counts while the kernel's
+    `vdpbf16ps` loop turns compute-bound, 2-4x slower from 8 rows on."""
+    if "bf16_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
-        _loaded["bf16"] = ns is not None and ns.bf16_isa() != "portable"
-    return _loaded["bf16"]
+        _loaded["bf16_rows"] = _time_bf16_rows(ns) if ns is not None and ns.bf16_isa() != "portable" else 0
+    return _loaded["bf16_rows"]
+
+
+def _time_bf16_rows(ns) -> int:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 1024, generator=gen).to(torch.bfloat16)
+    rows = 0
+    with torch.inference_mode():
+        for m in BF16_ROWS:
+            x = torch.randn(m, 1024, generator=gen).to(torch.bfloat16)
+            ours, theirs = (min(_seconds(f, x, w) for _ in range(3)) for f in (ns.bf16_gemm, torch.nn.functional.linear))
+            if ours > theirs:
+                break
+            rows = m
+    return rows
+
+
+def _seconds(f, x: torch.Tensor, w: torch.Tensor, reps: int = 3) -> float:
+    f(x, w)
+    start = time.perf_counter()
+    for _ in range(reps):
+        f(x, w)
+    return (time.perf_counter() - start) / reps
 
 
 def source_hash() -> str:

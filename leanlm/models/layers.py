@@ -16,8 +16,9 @@ class Linear(nn.Linear):
 
     - Compiled single row (decode): a plain reduction, which inductor turns into one fused loop that
       streams the weight once (the library bf16 GEMV pays a large fixed cost per call here).
-    - A few rows (batched decode, up to kernels.BF16_ROWS) of a bf16 weight: leanlm's bf16 kernel, which reads each
-      weight row from memory once for all the rows (torch's GEMM fell to 2-14 GB/s at 2-8 rows here).
+    - A few rows (batched decode, up to kernels.bf16_rows(), measured) of a bf16 weight: leanlm's bf16 kernel,
+      which reads each weight row from memory once for all the rows (torch's GEMM fell to 2-14 GB/s at 2-8 rows on
+      Zen 4; with AMX it stays near 25 GB/s and wins from a few rows).
     - Several rows (prefill) of a 16-bit weight on a CPU without a GEMM for its dtype (fp16 on x86; bf16 without
       AVX512-BF16 or AMX): the product runs in float32 (runtime.matmul_dtype); the weight stays 16-bit in memory
       because decode reads it whole every token.
@@ -28,7 +29,7 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
             y = (x.unsqueeze(-2).float() * w.float()).sum(-1)
             return (y if b is None else y + b.float()).to(x.dtype)
-        if x.numel() <= kernels.BF16_ROWS * x.shape[-1] and kernels.bf16_product(x, w):
+        if kernels.bf16_product(x, w):
             y = kernels.ops().bf16_gemm(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
             return y if b is None else y + b
         if x.numel() > x.shape[-1] and (cdt := matmul_dtype(w.dtype, w.device)) != w.dtype:

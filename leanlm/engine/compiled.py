@@ -5,6 +5,9 @@ the block tables to the longest a context can need; padded rows write their keys
 
 from __future__ import annotations
 
+import bisect
+import time
+
 import torch
 
 from leanlm import kernels
@@ -49,6 +52,17 @@ class CompiledPagedDecoder:
         self.model, self.pool, self.scratch = model, pool, scratch
         self.width = cdiv(model.config.max_position, pool.block_size)
         self.compiler = StepCompiler(model, _paged_step)
+
+    def build(self, max_seqs: int, log=lambda text: None) -> None:
+        """Compile now the graph of every bucket a batch of up to `max_seqs` sequences pads to (a step of that many
+        rows on the scratch block each), so that no request pays a compilation."""
+        sizes = BUCKETS[: bisect.bisect_left(BUCKETS, max_seqs) + 1]
+        first = time.perf_counter()
+        for size in sizes:
+            start = time.perf_counter()
+            self.run([[self.scratch]] * size, [0] * size, [0] * size)
+            log(f"compiled the decode step of {size} sequence{'s' * (size > 1)} in {time.perf_counter() - start:.0f} s")
+        log(f"{len(sizes)} compiled decode steps ready in {time.perf_counter() - first:.0f} s")
 
     @staticmethod
     def supports(pool: KVPool) -> bool:

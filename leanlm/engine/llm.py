@@ -126,6 +126,8 @@ class AsyncLLM:
         def build_then_loop():
             try:
                 self.engine = _engine(model, tokenizer, dtype, device, threads, config, quiet)
+                # a server is ready when it is fast: every compiled graph built before the first request
+                self.engine.build_graphs(log=lambda text: quiet or print(f"leanlm: {text}", file=sys.stderr))
             except BaseException as e:
                 failed.append(e)
                 return

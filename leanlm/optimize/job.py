@@ -108,8 +108,8 @@ def optimize(model: str, variants: tuple[Variant, ...], budget: Budget, settings
         "recommended: none; every variant breaks the budget (see the budget column)",
         f"quality on {rows[0]['tokens']} tokens of {settings.data or 'the built-in evaluation text'}",
         "cost: each variant served with the command the report prints"
-        + (" (--compile: each level first loaded once, untimed, so its batch size's graph is built)"
-           if settings.compiled else "")
+        + (" (with --compile: the server builds every batch size's graph before it answers)" if settings.compiled
+           else "")
         + f", loaded at concurrency {', '.join(map(str, settings.levels))} with requests of {settings.new_tokens} "
         f"tokens on {describe(settings.prompts)}; TTFT and TPOT are the medians at concurrency 1, RPS the highest "
         f"request rate measured with {', '.join(map(str, slo))}",

@@ -3,9 +3,8 @@ by streamed requests one level of concurrency after another (`bench.serve.run_lo
 TTFT and TPOT; the whole curve gives the throughput-latency trade-off that `optimize.plan` reads the request rate
 at an SLO from. Nothing is derived: a speculative variant's TPOT is its served TPOT on the same prompts.
 
-A server built with `--compile` makes one graph per batch size on first use (30-70 s each on 2 cores), so each level
-is first loaded once, untimed, with that many requests at once; an eager server gets the one warm-up request every
-`leanlm bench serve` run sends."""
+Each server gets the one warm-up request every `leanlm bench serve` run sends; one started with `--compile` has
+built every batch size's graph before it answered /health (10-35 s each on 2 cores), so none is built under load."""
 
 from __future__ import annotations
 
@@ -57,7 +56,6 @@ def measure_served(model_dir: Path, args: list[str], prompts: list, levels: tupl
     peak RSS."""
     if levels[0] != 1:
         raise LeanLMError("the first timing level must be concurrency 1 (it gives TTFT and TPOT)")
-    compiled = "--compile" in args
     queue = itertools.cycle(prompts)
     curve = []
     with LocalServer.leanlm(str(model_dir), "variant", args) as server:
@@ -68,9 +66,7 @@ def measure_served(model_dir: Path, args: list[str], prompts: list, levels: tupl
                                         warmup=warmup))
 
         for level in levels:
-            if compiled:  # this batch size's graph is built before the level is timed
-                load(level, level)
-            results, seconds = load(max(requests, 2 * level), level, warmup=int(level == 1 and not compiled))
+            results, seconds = load(max(requests, 2 * level), level, warmup=int(level == 1))
             ok = [r for r in results if r.ok]
             if not ok:
                 raise LeanLMError(f"every request failed at concurrency {level}: {results[0].error}")

@@ -311,3 +311,23 @@ def test_int8_kv_pool_equals_one_by_one_with_the_int8_static_cache(tiny):
         engine.step()
     expected = [[s[0] for s in generate_ids(model, [p], GREEDY, cache_cls=Int8KVCache)] for p in ps]
     assert [s.output_ids for s in seqs] == expected
+
+
+def test_build_graphs_compiles_every_bucket_up_to_max_num_seqs_before_any_request(tiny, monkeypatch):
+    """A server's engine compiles each batch bucket a step can pad to before it answers (no request pays a
+    compilation); the buckets are those up to the first that holds max_num_seqs, and serving them compiles nothing."""
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, compile=True, max_num_seqs=5))
+    if engine.runner.compiled is None:
+        pytest.skip("no paged-attention kernel here")
+    logs = []
+    engine.build_graphs(logs.append)
+    assert sorted(k[0] for k in engine.runner.compiled.compiler._plans) == [1, 2, 4, 8]
+    assert len(logs) == 5 and logs[-1].startswith("4 compiled decode steps ready in")
+    monkeypatch.setattr(engine.runner.compiled.compiler, "_compile", lambda: pytest.fail("compiled on a request"))
+    ps = prompts(5, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5, 5, 8, 8)]
+    seqs = [engine.add_request(str(i), p, sp)[0] for i, (p, sp) in enumerate(zip(ps, params))]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in seqs] == [one_by_one(model, [p], sp)[0] for p, sp in zip(ps, params)]

@@ -180,3 +180,22 @@ def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype, int8):
         assert (out[b].float() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
     with pytest.raises(RuntimeError, match="length"):
         ops.paged_attention(q, *pool[:2], tables, torch.tensor([1, 2, 3, 4, 99], dtype=torch.int32), bs, *pool[2:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("M, K", [(1, 576), (16, 1536), (5, 37)])
+def test_quantize_rows_is_bit_identical_to_the_per_token_grid(ops, dtype, M, K):
+    """W8A8's one-pass activation codes equal lowbit.primitives' compute_qparams + quantize, bit for bit (a zero row
+    takes the 1e-12 floor; a row of one large value and ties at .5 round as torch does)."""
+    from leanlm.lowbit.primitives import QuantSpec, compute_qparams, quantize
+
+    g = torch.Generator().manual_seed(M * K)
+    x = (torch.randn(M, K, generator=g) * (torch.rand(M, 1, generator=g) * 10)).to(dtype)
+    x[0] = 0
+    if M > 1:
+        x[1, :3] = torch.tensor([127.0, 0.5, -1.5])  # scale 1: codes 127, 0 and -2 (ties to even)
+        x[1, 3:] = 0
+    spec = QuantSpec(8, symmetric=True, granularity="token")
+    scale, zero = compute_qparams(x, spec)
+    codes, scales = ops.quantize_rows(x)
+    assert torch.equal(codes, quantize(x, scale, zero, spec)) and torch.equal(scales, scale.reshape(-1))

@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"))  # one extension; sparse.cpp adds its ops to the namespace
 HEADER = Path(__file__).with_name("common.h")  # what both share (Rows, the ISA selection): in the hash, not compiled alone
 MAX_ROWS = 16  # rows of x up to which W8A16 runs the kernel; beyond, one bf16 GEMM on the codes (compute-bound)
-BF16_ROWS = (1, 2, 4, 8, 16)  # row counts at which bf16_gemm is timed against torch's GEMM (bf16_rows)
+BF16_ROWS = (1, 2, 4, 8, 16)  # row counts at which a kernel is timed against torch's product (faster_rows)
 
 
 # isa -> the flags that select cpu.cpp's loops; -march=native picks the best the CPU has
@@ -118,17 +118,50 @@ def bf16_rows() -> int:
 
 
 def _time_bf16_rows(ns) -> int:
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(4096, 1024, generator=gen).to(torch.bfloat16)
-    rows = 0
+    w = torch.randn(4096, 1024, device="cpu").to(torch.bfloat16)  # on the CPU even inside a meta-device context
+    return faster_rows(ns.bf16_gemm, torch.nn.functional.linear, w,
+                       lambda m: torch.randn(m, 1024, device="cpu").to(torch.bfloat16))
+
+
+def int8_rows() -> int:
+    """Rows of int8 activation codes up to which W8A8 runs int8_gemv_q8 rather than torch._int_mm (0: never),
+    timed once per process on an 8 MB weight. On Zen 4 torch's product ran at 5.7 GOP/s against the kernel's 75,
+    so the kernel took every decode row count; with AMX (Sapphire Rapids) torch._int_mm is ahead from ~8 rows and
+    2x at 16. Only meaningful where torch._int_mm has a fast path (runtime.CPU_INT8_GEMM)."""
+    if "int8_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
+        ns = ops()
+        _loaded["int8_rows"] = _time_int8_rows(ns) if ns is not None else 0
+    return _loaded["int8_rows"]
+
+
+def _time_int8_rows(ns) -> int:
+    w = torch.randint(-127, 128, (8192, 1024), dtype=torch.int8, device="cpu")
+    scale = torch.rand(8192, device="cpu")
+
+    def codes(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(-127, 128, (m, 1024), dtype=torch.int8, device="cpu"), torch.rand(m, device="cpu")
+
+    def ours(x, w):
+        return ns.int8_gemv_q8(x[0], x[1], w, scale)
+
+    def theirs(x, w):  # as lowbit.primitives.int_matmul_reference runs it: rows padded to the 17 _int_mm takes
+        acc = torch._int_mm(torch.nn.functional.pad(x[0], (0, 0, 0, max(0, 17 - x[0].shape[0]))), w.t())
+        return acc[: x[0].shape[0]].float() * x[1][:, None] * scale
+
+    return faster_rows(ours, theirs, w, codes, (*BF16_ROWS, 32))
+
+
+def faster_rows(ours, theirs, w: torch.Tensor, make_x, rows=BF16_ROWS) -> int:
+    """The largest of `rows` up to which ours(x, w) took no longer than theirs(x, w) at every count before it (0:
+    none), x = make_x(count); each the best of 3 timings of 3 calls after one untimed."""
+    faster = 0
     with torch.inference_mode():
-        for m in BF16_ROWS:
-            x = torch.randn(m, 1024, generator=gen).to(torch.bfloat16)
-            ours, theirs = (min(_seconds(f, x, w) for _ in range(3)) for f in (ns.bf16_gemm, torch.nn.functional.linear))
-            if ours > theirs:
+        for m in rows:
+            x = make_x(m)
+            if min(_seconds(ours, x, w) for _ in range(3)) > min(_seconds(theirs, x, w) for _ in range(3)):
                 break
-            rows = m
-    return rows
+            faster = m
+    return faster
 
 
 def _seconds(f, x: torch.Tensor, w: torch.Tensor, reps: int = 3) -> float:
@@ -178,6 +211,8 @@ def _register_fakes(name: str) -> None:
     for op in ("int8_gemv", "int4_gemv"):
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
+    torch.library.register_fake(f"{name}::quantize_rows", lambda x: (x.new_empty(x.shape, dtype=torch.int8),
+                                                                     x.new_empty(x.shape[0], dtype=torch.float32)))
     torch.library.register_fake(f"{name}::int8_24_gemv", lambda x, values, masks, scale: product(x, values))
     torch.library.register_fake(f"{name}::int8_24_unpack", lambda v, m: v.new_empty(v.shape[0], 2 * v.shape[1]))
     torch.library.register_fake(f"{name}::bf16_gemm", lambda x, w: x.new_empty(x.shape[0], w.shape[0]))

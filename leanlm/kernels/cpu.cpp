@@ -1,6 +1,7 @@
 // Products of a few activation rows (decode, a short prompt, a speculative check) with quantized weights, on CPU:
 //   int8_gemv: y[m, n] = scale[n] * sum_k x[m, k] w[n, k]               w [N, K] int8, one scale per row
 //   int8_gemv_q8: the same with x given as int8 codes and a scale per row (W8A8's per-token activations)
+//   quantize_rows: those codes and scales from x in one pass
 //   int4_gemv: y[m, n] = sum_k x[m, k] ((q[n, k] - 8) s[n, k/g] + z[n, k/g])   q in [0, 15], groups of g along K
 //   bf16_gemm: y[m, n] = sum_k x[m, k] w[n, k]                       x, w bf16 (batched decode of 16-bit models)
 //
@@ -293,6 +294,30 @@ at::Tensor int8_gemv_q8(const at::Tensor& xq, const at::Tensor& xs, const at::Te
               "int8_gemv_q8 wants float32 scales [N]");
   int8_product(Rows(xq, xs), w, scale.data_ptr<float>(), y);
   return y;
+}
+
+// W8A8's per-token activation codes in one pass instead of ~10 tensor ops: scale = max(row's max |x|, 1e-12) / 127,
+// q = x / scale rounded half to even; float32 arithmetic in lowbit.primitives' order (compute_qparams, quantize),
+// so codes and scales are bit-identical to them
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quantize_rows takes x [M, K] on the CPU, got ", x.sizes());
+  const at::Tensor xf = x.contiguous().to(at::kFloat);
+  const int64_t M = xf.size(0), K = xf.size(1);
+  at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
+  at::Tensor s = at::empty({M}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = s.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xp + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    const float scale = std::max(amax, 1e-12f) / 127.f;
+    sp[m] = scale;
+    for (int64_t k = 0; k < K; ++k)
+      qp[m * K + k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(row[k] / scale), -128.f), 127.f));
+  }
+  return {q, s};
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
@@ -609,6 +634,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("bf16_gemm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
@@ -618,6 +644,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
   m.impl("bf16_gemm", bf16_gemm);
   m.impl("int8_gemv_q8", int8_gemv_q8);
+  m.impl("quantize_rows", quantize_rows);
   m.impl("int4_gemv", int4_gemv);
   m.impl("paged_attention", paged_attention);
 }

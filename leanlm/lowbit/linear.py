@@ -226,8 +226,8 @@ class W4A16Linear(_QuantLinearBase):
 
 class W8A8Linear(_QuantLinearBase):
     """int8 per-channel weights x int8 activations (per-token dynamic scales, or one calibrated static scale),
-    int32 accumulation, then rescaled: leanlm's int8 kernel for up to kernels.MAX_ROWS rows (decode; on an AVX2
-    CPU `torch._int_mm` decoded at a third of bf16's speed), `torch._int_mm` beyond where the CPU has VNNI
+    int32 accumulation, then rescaled: leanlm's int8 kernel up to the rows it was measured faster at (decode; on an
+    AVX2 CPU `torch._int_mm` decoded at a third of bf16's speed), `torch._int_mm` beyond where the CPU has VNNI
     (runtime.CPU_INT8_GEMM), the kernel again where not.
     https://arxiv.org/abs/2211.10438 (W8A8 scheme)"""
 
@@ -266,12 +266,15 @@ class W8A8Linear(_QuantLinearBase):
 
     def int8_product(self, x2d: torch.Tensor) -> torch.Tensor:
         """x2d quantized to int8 times the int8 weight, int32 accumulation, rescaled.  [M, K] -> [M, N] float32"""
-        x_q, s_x = self.quantize_input(x2d)
-        M = x_q.shape[0]
-        # decode reads w once; prefill too where torch._int_mm has no fast path (no VNNI)
-        if x_q.is_cpu and (M <= kernels.MAX_ROWS or not CPU_INT8_GEMM) and (ops := kernels.ops()) is not None:
+        M, ops = x2d.shape[0], kernels.ops() if x2d.is_cpu else None
+        if ops is not None and self.act_scale is None:  # per-token codes in one op (bit-identical to quantize_input's)
+            x_q, s_x = ops.quantize_rows(x2d)
+        else:
+            x_q, s_x = self.quantize_input(x2d)
+        # the kernel where it was measured faster (decode), torch._int_mm beyond, or wherever it has no fast path
+        if ops is not None and (M <= kernels.int8_rows() or not CPU_INT8_GEMM):
             return ops.int8_gemv_q8(x_q, s_x.float().reshape(-1).expand(M).contiguous(), self.weight, self.scales)
-        return int_matmul_reference(x_q, s_x, None, self.weight, self.scales, None)
+        return int_matmul_reference(x_q, s_x.reshape(-1, 1) if s_x.dim() else s_x, None, self.weight, self.scales, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._finish(self.int8_product(x.reshape(-1, self.in_features)), x)

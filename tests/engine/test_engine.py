@@ -192,13 +192,17 @@ def test_compiled_decode_steps_equal_one_by_one(tiny):
     model, tok = tiny
     engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, compile=True))
     assert engine.runner.compiled is not None
-    ps = prompts(5, seed=4)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 9, 12, 12)]
+    assert_greedy_lengths_equal_one_by_one(engine, model, prompts(5, seed=4), (3, 9, 9, 12, 12))
+    assert len(engine.runner.compiled.compiler._plans) >= 2  # buckets 8 -> 4 -> 2 as sequences finish
+
+
+def assert_greedy_lengths_equal_one_by_one(engine, model, ps, lengths) -> None:
+    """Greedy requests of these lengths (ignore_eos), stepped together in `engine`, as each one alone."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     seqs = [engine.add_request(str(i), p, sp)[0] for i, (p, sp) in enumerate(zip(ps, params))]
     while engine.has_work:
         engine.step()
     assert [s.output_ids for s in seqs] == [one_by_one(model, [p], sp)[0] for p, sp in zip(ps, params)]
-    assert len(engine.runner.compiled.compiler._plans) >= 2  # buckets 8 -> 4 -> 2 as sequences finish
 
 
 def test_deterministic_mode_is_batch_invariant_in_bfloat16(tiny):
@@ -325,9 +329,4 @@ def test_build_graphs_compiles_every_bucket_up_to_max_num_seqs_before_any_reques
     assert sorted(k[0] for k in engine.runner.compiled.compiler._plans) == [1, 2, 4, 8]
     assert len(logs) == 5 and logs[-1].startswith("4 compiled decode steps ready in")
     monkeypatch.setattr(engine.runner.compiled.compiler, "_compile", lambda: pytest.fail("compiled on a request"))
-    ps = prompts(5, seed=5)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5, 5, 8, 8)]
-    seqs = [engine.add_request(str(i), p, sp)[0] for i, (p, sp) in enumerate(zip(ps, params))]
-    while engine.has_work:
-        engine.step()
-    assert [s.output_ids for s in seqs] == [one_by_one(model, [p], sp)[0] for p, sp in zip(ps, params)]
+    assert_greedy_lengths_equal_one_by_one(engine, model, prompts(5, seed=5), (2, 5, 5, 8, 8))

@@ -1,5 +1,5 @@
-"""Prompts to time a served model with, as users would send them: passages of the built-in text (or the user's own
-prompts), never the random token ids that favour no-one but exercise no speculation either.
+"""Prompts to time a served model with, as users would send them: passages of the built-in text, or the user's own
+prompts (random token ids, `leanlm bench serve`'s default, give speculation nothing to find).
 
 `passage_prompts` cuts passages of a split of the built-in corpus at random line starts. For a model with a chat
 template half of them go as chat requests asking for a summary, a rewrite, an answer or a continuation (tasks where

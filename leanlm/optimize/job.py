@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from leanlm.bench.probe import device_name
+from leanlm.bench.workload import describe
 from leanlm.errors import LeanLMError
 from leanlm.optimize import mixed as mix
-from leanlm.bench.workload import describe
 from leanlm.optimize.pareto import Budget, recommend
 from leanlm.optimize.plan import SloTerm, best_point, check_point, explain, plan
 from leanlm.optimize.report import frontiers, write_html, write_png

@@ -58,7 +58,7 @@ def measure_served(model_dir: Path, args: list[str], prompts: list, levels: tupl
         raise LeanLMError("the first timing level must be concurrency 1 (it gives TTFT and TPOT)")
     queue = itertools.cycle(prompts)
     curve = []
-    with LocalServer.leanlm(str(model_dir), "variant", args) as server:
+    with LocalServer.leanlm(str(model_dir), "variant", args, timeout=1800) as server:  # --compile: its graphs first
 
         def load(n: int, level: int, warmup: int = 0):
             batch = list(itertools.islice(queue, n))

@@ -107,13 +107,21 @@ def best_seconds(fn, dev: torch.device, reps: int, warmup: bool = True) -> float
 def peak_rss_mb() -> float:
     """This process's peak resident memory in MB. On Linux its VmHWM, the peak since exec: getrusage's ru_maxrss
     also carries the pre-exec image's, so a process started from a large parent would report the parent's peak."""
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
+    peak = process_peak_rss_mb("self")
+    if peak is None:
         import resource  # Unix only: at the top it would stop `import leanlm` on Windows
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak
+
+
+def process_peak_rss_mb(pid: int | str) -> float | None:
+    """A process's peak resident memory in MB (Linux's VmHWM; "self": this one), None where /proc has none."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return None
 
 
 def synchronize(device: torch.device) -> None:

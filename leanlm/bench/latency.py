@@ -86,12 +86,9 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
     peak = peaks(dev.type, threads, refresh=refresh_probe)
     dtype = str(model.dtype).removeprefix("torch.")
     weights = weight_bytes_read(model)
-    kv_item = int8_bytes_per_head(cfg.head_dim) / cfg.head_dim if cache_cls is not StaticCache else model.dtype.itemsize
-    # the peak of the dtype prefill's products run in (float32 for fp16, and for bf16 on CPUs without a bf16 GEMM)
-    compute = str(matmul_dtype(model.dtype, dev)).removeprefix("torch.")
-    peak_flops = peak.matmul_gflops.get(compute, peak.matmul_gflops.get("float32"))
-    gbs, mbu, mfu = utilization(cfg, weights, kv_item, prompt_tokens, new_tokens, ttft, tpot, batch,
-                                peak.bandwidth_gbs, peak_flops)
+    peak_flops = peak_matmul_gflops(peak, model.dtype, dev)
+    gbs, mbu, mfu = utilization(cfg, weights, kv_bytes_per_value(cfg, model.dtype, cache_cls is not StaticCache),
+                                prompt_tokens, new_tokens, ttft, tpot, batch, peak.bandwidth_gbs, peak_flops)
     return BenchResult(
         model=name, compiled=compiled, device=str(dev), dtype=dtype, threads=threads, batch=batch,
         prompt_tokens=prompt_tokens, new_tokens=new_tokens,
@@ -100,6 +97,18 @@ def bench(model: Transformer, name: str = "", prompt_tokens: int = 128, new_toke
         gbs=gbs, mbu=mbu, mfu=mfu,
         peak_bandwidth_gbs=peak.bandwidth_gbs, peak_gflops=peak_flops, peak_memory_mb=_peak_memory_mb(dev),
     )
+
+
+def kv_bytes_per_value(cfg, dtype: torch.dtype, int8: bool) -> float:
+    """Bytes a cached key or value element takes: the dtype's, or the int8 cache's (its scales included)."""
+    return int8_bytes_per_head(cfg.head_dim) / cfg.head_dim if int8 else dtype.itemsize
+
+
+def peak_matmul_gflops(peak, dtype: torch.dtype, device: torch.device) -> float:
+    """The probed peak of the dtype prefill's products run in (float32 for fp16, and for bf16 on CPUs without a
+    bf16 GEMM: runtime.matmul_dtype)."""
+    compute = str(matmul_dtype(dtype, device)).removeprefix("torch.")
+    return peak.matmul_gflops.get(compute, peak.matmul_gflops.get("float32"))
 
 
 def utilization(cfg, weight_bytes: int, kv_item: float, prompt_tokens: float, new_tokens: int, ttft_s: float,

@@ -41,7 +41,8 @@ def optimize(
                                                          "...} or {\"messages\": [...]} a line, e.g. your traffic); "
                                                          "default: passages of the built-in evaluation text, half "
                                                          "as chat requests")] = None,
-    levels: Annotated[str, typer.Option(help="concurrencies each served variant is loaded at, starting with 1")] = "1,4,16",
+    levels: Annotated[str, typer.Option(help="concurrencies each served variant is loaded at, starting with "
+                                             "1")] = "1,4,16",
     recipes: Annotated[str, typer.Option(help="variants to sweep: default, quick, or a YAML file listing {name, "
                                               "steps: \\[quantize/prune recipe steps], dtype, kv_cache: auto|int8, "
                                               "prompt_lookup: N, draft: MODEL}")] = "default",

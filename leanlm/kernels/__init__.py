@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"))  # one extension; sparse.cpp adds its ops to the namespace
 HEADER = Path(__file__).with_name("common.h")  # what both share (Rows, the ISA selection): in the hash, not compiled alone
 MAX_ROWS = 16  # rows of x up to which W8A16 runs the kernel; beyond, one bf16 GEMM on the codes (compute-bound)
-BF16_ROWS = (1, 2, 4, 8, 16)  # row counts at which a kernel is timed against torch's product (faster_rows)
+TIMED_ROWS = (1, 2, 4, 8, 16)  # row counts at which a kernel is timed against torch's product (faster_rows)
 
 
 # isa -> the flags that select cpu.cpp's loops; -march=native picks the best the CPU has
@@ -148,10 +148,10 @@ def _time_int8_rows(ns) -> int:
         acc = torch._int_mm(torch.nn.functional.pad(x[0], (0, 0, 0, max(0, 17 - x[0].shape[0]))), w.t())
         return acc[: x[0].shape[0]].float() * x[1][:, None] * scale
 
-    return faster_rows(ours, theirs, w, codes, (*BF16_ROWS, 32))
+    return faster_rows(ours, theirs, w, codes, (*TIMED_ROWS, 32))
 
 
-def faster_rows(ours, theirs, w: torch.Tensor, make_x, rows=BF16_ROWS) -> int:
+def faster_rows(ours, theirs, w: torch.Tensor, make_x, rows=TIMED_ROWS) -> int:
     """The largest of `rows` up to which ours(x, w) took no longer than theirs(x, w) at every count before it (0:
     none), x = make_x(count); each the best of 3 timings of 3 calls after one untimed."""
     faster = 0

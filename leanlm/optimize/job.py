@@ -46,7 +46,8 @@ def served_rate(curve: list[dict], slo: list[SloTerm]) -> tuple[float, str]:
     return best.request_throughput, best.label
 
 
-def capacity(rows: list[dict], indices: list[int], rps: float, cache_hit: float, slo: list[SloTerm]) -> dict[str, list[str]]:
+def capacity(rows: list[dict], indices: list[int], rps: float, cache_hit: float,
+             slo: list[SloTerm]) -> dict[str, list[str]]:
     """Per variant (by index): `leanlm plan`'s reasoning, line by line, for `rps` requests/s from its measured curve."""
     lines = {}
     for i in indices:

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 
-from leanlm.bench.latency import utilization
+from leanlm.bench.latency import kv_bytes_per_value, peak_matmul_gflops, utilization
 from leanlm.bench.probe import peaks
 from leanlm.bench.serve import LocalServer, run_load, summarize
-from leanlm.cache.int8 import int8_bytes_per_head
 from leanlm.errors import LeanLMError
 from leanlm.models.config import ModelConfig
-from leanlm.runtime import matmul_dtype
+from leanlm.runtime import process_peak_rss_mb
 
 CURVE_KEYS = ("max_concurrency", "requests", "failed", "duration_s", "request_throughput", "output_throughput",
               "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
@@ -74,7 +73,7 @@ def measure_served(model_dir: Path, args: list[str], prompts: list, levels: tupl
                 prompt_tokens = sum(r.prompt_tokens for r in ok) / len(ok)
             curve.append({k: v for k, v in {**summarize(results, seconds), "max_concurrency": level}.items()
                           if k in CURVE_KEYS})
-        peak_mb = _peak_rss_mb(server.proc.pid)
+        peak_mb = process_peak_rss_mb(server.proc.pid)
     first = curve[0]
     return {"ttft_ms": first["ttft_ms"]["p50"], "tpot_ms": first["tpot_ms"]["p50"],
             "tokens_per_s": 1000 / first["tpot_ms"]["p50"], "throughput": curve[-1]["output_throughput"],
@@ -85,20 +84,9 @@ def served_utilization(model_dir: Path, dtype: str, kv_cache: str, weight_bytes:
                        new_tokens: int, ttft_ms: float, tpot_ms: float, threads: int) -> tuple[float, float]:
     """(MBU, MFU) of the served batch-1 request: bench.latency's arithmetic on the served TTFT and TPOT (which
     include the server's HTTP, scheduling and detokenizing time)."""
-    cfg = ModelConfig.from_dir(Path(model_dir))
-    torch_dtype = getattr(torch, dtype)
-    kv_item = int8_bytes_per_head(cfg.head_dim) / cfg.head_dim if kv_cache == "int8" else torch_dtype.itemsize
-    peak = peaks("cpu", threads)
-    compute = str(matmul_dtype(torch_dtype, torch.device("cpu"))).removeprefix("torch.")
-    _, mbu, mfu = utilization(cfg, weight_bytes, kv_item, prompt_tokens, new_tokens, ttft_ms / 1e3, tpot_ms / 1e3, 1,
-                              peak.bandwidth_gbs, peak.matmul_gflops.get(compute, peak.matmul_gflops.get("float32")))
+    cfg, torch_dtype, peak = ModelConfig.from_dir(Path(model_dir)), getattr(torch, dtype), peaks("cpu", threads)
+    _, mbu, mfu = utilization(cfg, weight_bytes, kv_bytes_per_value(cfg, torch_dtype, kv_cache == "int8"),
+                              prompt_tokens, new_tokens, ttft_ms / 1e3, tpot_ms / 1e3, 1, peak.bandwidth_gbs,
+                              peak_matmul_gflops(peak, torch_dtype, torch.device("cpu")))
     return mbu, mfu
 
-
-def _peak_rss_mb(pid: int) -> float | None:
-    """A process's peak resident memory (Linux VmHWM), None where /proc has none."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        return None

@@ -3,7 +3,8 @@
 Everything measured is cached under `$LEANLM_CACHE/optimize/<model hash>/<environment hash>/` (`environment()`:
 leanlm's code, torch, the CPU, the kernels), keyed by what it depends on: a built model by its steps and
 calibration; a quality row by the model, KV cache and evaluation text; a cost row (the variant served and timed
-under load, optimize.served) by all of the variant, the timing settings and the timing prompts' content. A resumed (or repeated) sweep measures nothing twice; an upgraded one measures everything again.
+under load, optimize.served) by all of the variant, the timing settings and the timing prompts' content. A resumed
+(or repeated) sweep measures nothing twice; an upgraded one measures everything again.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 import torch
 
 from leanlm import kernels
-from leanlm.bench.compare import sizes
 from leanlm.analysis.memory import weight_bytes_read
+from leanlm.bench.compare import sizes
 from leanlm.bench.cost import last_line
 from leanlm.bench.probe import device_name
 from leanlm.bench.workload import passage_prompts, read_prompts

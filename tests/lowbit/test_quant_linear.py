@@ -79,7 +79,7 @@ def test_w8a8_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypa
     the same int32 sums."""
     if kernels.ops() is None:
         pytest.skip("no C++ compiler")
-    assert kernels.int8_rows() in (0, *kernels.BF16_ROWS, 32)
+    assert kernels.int8_rows() in (0, *kernels.TIMED_ROWS, 32)
     monkeypatch.setattr(linear_module, "CPU_INT8_GEMM", True)
     monkeypatch.setitem(kernels._loaded, "int8_rows", 2)
     real, calls = kernels.ops(), []

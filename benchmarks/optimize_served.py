@@ -76,12 +76,14 @@ def main() -> None:
         print(f"| {r['name']}{mark} | {r['perplexity']:.3f} | {r['tpot_ms']:.2f} | {r['ttft_ms']:.0f} | {r['rps']:.2f} "
               f"| {r['throughput']:.0f} | {', '.join(r['on_frontier']) or '-'} |")
     ratio = served["tpot_ms"]["p50"] / best["tpot_ms"]
+    verdict = "within" if abs(ratio - 1) <= 0.15 else "outside"
     print(f"\nrecommended: {best['name']}; served with `{report['serve_command']}` and measured by `leanlm bench serve "
           f"--max-concurrency 1` on {args.requests} held-out prompts: median TPOT {served['tpot_ms']['p50']:.2f} ms "
-          f"against the report's {best['tpot_ms']:.2f} ms: {ratio:.2f}x ({'within' if abs(ratio - 1) <= 0.15 else 'outside'} 15%)")
+          f"against the report's {best['tpot_ms']:.2f} ms: {ratio:.2f}x ({verdict} 15%)")
     by_steps = {}
     for r in report["rows"]:
-        by_steps.setdefault(json.dumps([r["variant"]["steps"], r["variant"]["dtype"], r["variant"]["kv_cache"]]), []).append(r)
+        weights = json.dumps([r["variant"][k] for k in ("steps", "dtype", "kv_cache")])
+        by_steps.setdefault(weights, []).append(r)
     for twins in by_steps.values():
         plain = next((r for r in twins if not r["variant"]["prompt_lookup"] and not r["variant"].get("draft")), None)
         for r in twins:

@@ -65,9 +65,9 @@ def main() -> None:
     print("|---|" + "---:|" * len(levels))
     base = rows["bf16"]
     for label, curve in rows.items():
+        ratio = {lv: curve[lv]["output_throughput"] / base[lv]["output_throughput"] for lv in levels}
         cells = [f"{curve[lv]['output_throughput']:.0f} ({curve[lv]['tpot_ms']['p50']:.1f})"
-                 + ("" if label == "bf16" else f", {curve[lv]['output_throughput'] / base[lv]['output_throughput']:.2f}x")
-                 for lv in levels]
+                 + ("" if label == "bf16" else f", {ratio[lv]:.2f}x") for lv in levels]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 

@@ -1,9 +1,12 @@
-"""Decode matrix-vector products on the default model's shapes: leanlm's int8 kernel against torch's int8 and
-int4 kernels and the compiled bf16 reduction the 16-bit decode step uses, as one table.
+"""Decode kernels on the zoo's shapes, two tables: matrix-vector products (leanlm's int8 kernel against torch's int8
+and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), and paged decode attention (leanlm's
+kernel over a bf16 and an int8 pool against gathering the keys and values for torch's SDPA, each as GB/s of KV
+read next to a streaming read of memory).
 
-    python benchmarks/kernels.py [--threads 2] [--group-size 64]
+    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pa]
 
-Weights rotate through ~256 MB of copies so that every call reads them from memory, as decode does.
+Weights and KV pools rotate through ~256 MB or more of copies (30 layers' pools) so that every call reads them from
+memory, as decode does.
 """
 
 from __future__ import annotations
@@ -31,13 +34,8 @@ def seconds(fn, calls: list[tuple], reps: int = 60) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    ops, G = kernels.ops(), args.group_size
+def products(ops, args) -> None:
+    G = args.group_size
     reduction = torch.compile(lambda x, w: (x.float() * w.float()).sum(-1).to(x.dtype), dynamic=False)
     table = Table(title=f"batch-1 products, {args.threads} threads, leanlm's kernels built for {ops.isa()}: "
                         "microseconds (GB/s of weights read)")
@@ -65,6 +63,60 @@ def main() -> None:
             cells.append(f"{t * 1e6:.0f} ({N * K * nbytes / t / 1e9:.1f})")
         table.add_row(f"{name} {N}x{K}", *cells)
     Console(width=150).print(table)
+
+
+# (name, query heads, kv heads, head size, sequences, tokens each): the default model at 32 concurrent requests,
+# and one long request of the 1.5B model (its tokens split across threads)
+ATTENTION = [("smollm2-135m, 32 x 384", 9, 3, 64, 32, 384), ("qwen2.5-coder-1.5b, 1 x 4096", 12, 2, 128, 1, 4096)]
+
+
+def attention(ops, args) -> None:
+    from leanlm.cache.int8 import quantize_per_token
+
+    x = torch.ones(64 * 2**20)  # 256 MB
+    stream = x.numel() * 4 / seconds(torch.sum, [(x,)], reps=10) / 1e9
+    table = Table(title=f"paged decode attention, {args.threads} threads, 30 layers' pools, bf16 queries: "
+                        f"microseconds a layer (GB/s of keys and values read; a streaming read: {stream:.1f} GB/s)")
+    for col in ("shape", "leanlm, bf16 pool", "leanlm, int8 pool", "gather + SDPA, bf16"):
+        table.add_column(col, justify="left" if col == "shape" else "right")
+    for name, H, Hkv, D, B, L in ATTENTION:
+        bs, layers = 16, 30
+        g = torch.Generator().manual_seed(0)
+        blocks = B * L // bs
+        tables = torch.randperm(blocks, generator=g).view(B, L // bs).int()  # blocks anywhere in the pool
+        lens = torch.full((B,), L, dtype=torch.int32)
+        q = torch.randn(B, H, D, generator=g).bfloat16()
+        pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(layers)]
+        int8 = [[*quantize_per_token(k), *quantize_per_token(v)] for k, v in pools]
+        slots = (tables.long()[:, :, None] * bs + torch.arange(bs)).view(B, L)
+
+        def gathered(q, k, v):
+            keys, values = (t[slots].transpose(1, 2) for t in (k, v))  # [B, Hkv, L, D]
+            return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)
+
+        runs = [(ops.paged_attention, [(q, k, v, tables, lens, bs) for k, v in pools], 2),
+                (ops.paged_attention, [(q, kq, vq, tables, lens, bs, ks, vs) for kq, ks, vq, vs in int8], 1 + 4 / D),
+                (gathered, [(q, k, v) for k, v in pools], 2)]
+        cells = []
+        for fn, calls, nbytes in runs:
+            t = seconds(fn, calls, reps=2 * layers)
+            cells.append(f"{t * 1e6:.0f} ({2 * B * L * Hkv * D * nbytes / t / 1e9:.1f})")
+        table.add_row(name, *cells)
+    Console(width=150).print(table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
+    ap.add_argument("--sections", default="pa", help="p: matrix-vector products, a: paged attention (default both)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = kernels.ops()
+    if "p" in args.sections:
+        products(ops, args)
+    if "a" in args.sections:
+        attention(ops, args)
 
 
 if __name__ == "__main__":

@@ -155,17 +155,33 @@ def test_kernels_run_inside_a_compiled_graph():
 
 @pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
                                         (torch.bfloat16, True)])
-def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype, int8):
+@pytest.mark.parametrize("D, lens, threads", [(64, [1, 4, 5, 17, 33], 2), (128, [300], 2), (80, [150, 7], 4),
+                                              (32, [40, 2, 90], 2)],
+                         ids=["five-sequences", "one-long", "odd-vectors-empty-part", "split-by-head"])
+def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype, int8, D, lens, threads):
     """Each sequence's query against the keys and values its block table names, by the definition (an int8 pool:
-    codes times their scale per slot and kv head)."""
+    codes times their scale per slot and kv head). Few sequences are split by kv head and by tokens across threads
+    (merged by log-sum-exp; with 4 threads the 7-token sequence's second part is empty); head sizes of 4, 8, 5 and
+    2 vectors of 16."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_paged_attention(ops, dtype, int8, D, lens)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_paged_attention(ops, dtype, int8, D, lens):
     from leanlm.cache.int8 import quantize_per_token
 
-    g = torch.Generator().manual_seed(0)
-    B, H, Hkv, D, bs, blocks = 5, 6, 2, 64, 4, 45
+    g = torch.Generator().manual_seed(D)
+    B, H, Hkv, bs = len(lens), 6, 2, 4
+    width = max(lens) // bs + 1
+    blocks = B * width + 3
     q = torch.randn(B, H, D, generator=g).to(dtype)
     k, v = (torch.randn(blocks * bs, Hkv, D, generator=g).to(dtype) for _ in range(2))
-    lens = torch.tensor([1, 4, 5, 17, 33], dtype=torch.int32)
-    tables = torch.randperm(blocks, generator=g)[: B * 9].view(B, 9).int()
+    lens = torch.tensor(lens, dtype=torch.int32)
+    tables = torch.randperm(blocks, generator=g)[: B * width].view(B, width).int()
     pool = k, v
     if int8:
         (kq, ks), (vq, vs) = quantize_per_token(k), quantize_per_token(v)
@@ -179,7 +195,7 @@ def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype, int8):
         expected = torch.einsum("hs,shd->hd", probs, vb)
         assert (out[b].float() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
     with pytest.raises(RuntimeError, match="length"):
-        ops.paged_attention(q, *pool[:2], tables, torch.tensor([1, 2, 3, 4, 99], dtype=torch.int32), bs, *pool[2:])
+        ops.paged_attention(q, *pool[:2], tables, lens + bs * width, bs, *pool[2:])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])

@@ -479,12 +479,21 @@ std::string bf16_isa() { return LEANLM_BF16_DOT; }
 // Paged decode attention: one query token per sequence against its keys and values in the block pool, read in
 // place through its block table (a gathered copy would move as many bytes as attention reads).
 // q [B, H, D]; k, v [slots, Hkv, D] (slot = block * bs + offset); tables [B, max_blocks] int32; lens [B] int32.
-// One work item per (sequence, kv head): its G query heads share each key and value row it reads. Rows are read
-// as 16-float vectors (GCC vector extensions: AVX-512 here, pairs of AVX2 ops or plain code elsewhere).
+// A work item is (sequence, kv heads, part of its tokens): its G query heads share each key and value row it reads.
+// Keys are read 16 tokens at a time: a token's dot product with a query head is 16 lanes of partial sums, and one
+// transposing reduction (sum16x16: 45 shuffles and adds) turns 16 of them into a vector of 16 scores, where a
+// horizontal sum per token cost ~8 dependent operations. The softmax exponentials are vector too (exp16). When
+// sequences are too few to keep every thread busy, a sequence's kv heads, then its tokens, are split across
+// threads; each part of the tokens keeps its own max, sum and weighted values, merged by log-sum-exp at the end.
+// Rows are 16-float vectors (GCC vector extensions: AVX-512 here, pairs of AVX2 ops or plain code elsewhere).
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int64_t kMaxVectors = 256;  // H * D / 16: query heads times a row's 16-float vectors
+constexpr int64_t kMaxRow = 16;       // D / 16: a row of up to 256 values
+constexpr int64_t kMinPart = 64;      // tokens: a sequence's tokens split across threads no finer than this
+constexpr int64_t kMaxParts = 64;     // and in at most this many parts
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
@@ -499,80 +508,277 @@ inline f32x16 load16(const bf16* p) {  // bf16 is the top half of a float32
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
 inline f32x16 load16(const int8_t* p) {  // int8 codes (a quantized KV cache); the caller applies the scale
-  i8x16 c;
-  std::memcpy(&c, p, sizeof c);
-  return __builtin_convertvector(c, f32x16);
+#if defined(LEANLM_AVX512)  // GCC 12 turns __builtin_convertvector of 16 int8 into 16 scalar conversions
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(LEANLM_AVX2)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+  float f[16];
+  _mm256_storeu_ps(f, lo);
+  _mm256_storeu_ps(f + 8, hi);
+  return load16(f);
+#else
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = p[i];
+  return v;
+#endif
 }
-inline float sum16(f32x16 v) {  // halves added in a tree: 4 shuffles and 4 adds, not 15 dependent scalar adds
-  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+// a[t] holds 16 partial sums of token t's score; the result's lane t is their total. Each level adds pairs of
+// vectors after interleaving them, halving the vectors and doubling the tokens each one holds (lane i of a level-n
+// vector belongs to token i mod 2^n of its group).
+inline f32x16 sum16x16(const f32x16* a) {
+  f32x16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(d[0], d[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// e^x for x <= 0 (scores less their max) within ~2 ulp, 0 below -87 (under float's normal range): x = n ln 2 + r,
+// e^r by Cephes expf's polynomial on |r| <= ln 2 / 2, 2^n written into the exponent bits.
+inline f32x16 exp16(f32x16 x) {
+  const i32x16 under = x < -87.f;
+  x = under ? splat(-87.f) : x;
+  const f32x16 t = x * 1.44269504f + 12582912.f;  // adding 1.5 * 2^23 rounds x / ln 2 to the integer n in t's bits
+  const f32x16 n = t - 12582912.f;
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 in two parts, so r keeps its low bits
+  f32x16 p = splat(1.9875691500e-4f) * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32x16 two_n = ((i32x16)t - 0x4B400000 + 127) << 23;
+  return under ? f32x16{} : p * (f32x16)two_n;
+}
+
+inline float sum16(f32x16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// Row conversions for the value pass: 32 entries as two float vectors in the order AVX-512's unpack of bf16 gives
+// (lo: entries 0-3, 8-11, 16-19, 24-27; hi: the other 16), one instruction each; the weighted sums keep that
+// order and unpermute() restores it once at the end. A row of odd D / 16 ends in one vector in plain order.
+constexpr int kPairOrder[32] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27,
+                                4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+template <typename S>
+inline void load32(const S* p, f32x16& lo, f32x16& hi) {
+#if defined(LEANLM_AVX512)
+  if constexpr (std::is_same_v<S, bf16>) {
+    const __m512i x = _mm512_loadu_si512(p), zero = _mm512_setzero_si512();
+    lo = (f32x16)_mm512_unpacklo_epi16(zero, x);
+    hi = (f32x16)_mm512_unpackhi_epi16(zero, x);
+    return;
+  }
+#endif
+  const f32x16 a = load16(p), b = load16(p + 16);
+  lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline void unpermute(const f32x16* v, int64_t V, float* out) {  // V vectors in load32's order -> out [16 V]
+  for (int64_t j = 0; j + 1 < V; j += 2)
+    for (int i = 0; i < 32; ++i) out[j * 16 + kPairOrder[i]] = v[j + i / 16][i % 16];
+  if (V % 2) store16(out + (V - 1) * 16, v[V - 1]);
+}
+
+#if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+// 16 tokens' scores against one query head by vdpbf16ps (pairs of bf16 products summed in float): the key rows
+// are read as they are, with no conversion. D a multiple of 32; rows past count score 0.
+template <int VT>
+inline f32x16 bf16_scores16(const bf16* qh, const bf16* const* row_of, int64_t count, int64_t D_) {
+  const int64_t D = VT ? 16 * VT : D_;
+  f32x16 a[16];
+  for (int t = 0; t < 16; ++t) {
+    __m512 s = _mm512_setzero_ps();
+    if (t < count)
+      for (int64_t d = 0; d < D; d += 32)
+        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qh + d), (__m512bh)_mm512_loadu_si512(row_of[t] + d));
+    a[t] = (f32x16)s;
+  }
+  return sum16x16(a);
+}
+#else
+constexpr bool kBf16Dot = false;
+template <int VT>
+inline f32x16 bf16_scores16(const bf16*, const bf16* const*, int64_t, int64_t) { return f32x16{}; }
+#endif
+
+// One work item: query heads h0 * G .. (h0 + heads) * G of sequence b against its tokens [t0, t1), leaving each
+// query head's softmax max, sum and unnormalized output (m, l [H], acc [H, D] at this item's heads). VT: D / 16 as a
+// compile-time constant (4 and 8: the zoo's head sizes), or 0 for any other.
+template <int VT, typename T, typename S>
+void attend_part(const T* q, const S* k, const S* v, const float* ks, const float* vs, const int32_t* table,
+                 int64_t t0, int64_t t1, int64_t h0, int64_t heads, int64_t G, int64_t Hkv, int64_t D, int64_t bs,
+                 float* m, float* l, float* acc) {
+  const int64_t V = VT ? VT : D / 16, slot = Hkv * D, n = t1 - t0, width = (n + 15) / 16 * 16;
+  thread_local std::vector<float> score_buf;
+  score_buf.resize(heads * G * width);
+  float* scores = score_buf.data();  // [heads * G, width]
+  f32x16 qv[kMaxVectors], rows[16 * kMaxRow];
+  const float scale = 1.f / std::sqrt(float(D));
+  for (int64_t i = 0; i < heads * G * V; ++i) qv[i] = load16(q + h0 * G * D + i * 16) * scale;
+  // The pool slots of tokens t0 + c + [0, 16), found once per 16 tokens, and of the 16 after them, whose rows are
+  // prefetched while these are read: the blocks lie anywhere in the pool, so the hardware prefetcher restarts at
+  // each, and the cores waited on memory, not overlapping it with the arithmetic (bf16, 32 sequences x 384 tokens,
+  // 2 threads: 11 -> 16 GB/s, against 23 GB/s streaming reads).
+  int64_t slot_of[16], next_of[16], next_count = 0;
+  auto find_slots = [&](int64_t c) {
+    int64_t block = (t0 + c) / bs, offset = (t0 + c) % bs;
+    for (int64_t* slots : {slot_of, next_of}) {
+      const int64_t count = std::clamp<int64_t>(n - c, 0, 16);
+      for (int64_t t = 0; t < count; ++t) {
+        slots[t] = int64_t(table[block]) * bs + offset;
+        if (++offset == bs) offset = 0, ++block;
+      }
+      next_count = count;
+      c += 16;
+    }
+  };
+  const S* row_of[16];
+  float scale_of[16];
+  auto find_rows = [&](const S* base, const float* scales, int64_t c, int64_t h) {  // kv head h0 + h's rows
+    const int64_t count = std::min<int64_t>(16, n - c);
+    for (int64_t t = 0; t < next_count; ++t)
+      for (int64_t i = 0; i < int64_t(D * sizeof(S)); i += 64)
+        __builtin_prefetch((const char*)(base + next_of[t] * slot + (h0 + h) * D) + i);
+    for (int64_t t = 0; t < count; ++t) {
+      row_of[t] = base + slot_of[t] * slot + (h0 + h) * D;
+      scale_of[t] = scales ? scales[slot_of[t] * Hkv + h0 + h] : 1.f;
+    }
+    return count;
+  };
+  // rows[t * V + j]: vector j of those tokens' rows (times their scale for int8), zero past the count; in plain
+  // order for the keys, load32's for the values
+  auto read_rows = [&](const S* base, const float* scales, int64_t c, int64_t h, bool pairs) {
+    const int64_t count = find_rows(base, scales, c, h);
+    for (int64_t t = 0; t < count; ++t) {
+      f32x16* r = rows + t * V;
+      int64_t j = 0;
+      if (pairs)
+        for (; j + 1 < V; j += 2) load32(row_of[t] + j * 16, r[j], r[j + 1]);
+      for (; j < V; ++j) r[j] = load16(row_of[t] + j * 16);
+      if (scales)
+        for (j = 0; j < V; ++j) r[j] *= scale_of[t];
+    }
+    for (int64_t t = count; t < 16; ++t)
+      for (int64_t j = 0; j < V; ++j) rows[t * V + j] = f32x16{};
+    return count;
+  };
+  for (int64_t c = 0; c < n; c += 16)
+    for (int64_t h = 0; h < heads; ++h) {
+      if (h == 0) find_slots(c);
+      if constexpr (kBf16Dot && std::is_same_v<S, bf16>) {
+        if (V % 2 == 0) {
+          const int64_t count = find_rows(k, ks, c, h);
+          for (int64_t g = h * G; g < (h + 1) * G; ++g)
+            store16(scores + g * width + c, bf16_scores16<VT>(q + (h0 * G + g) * D, row_of, count, D) * scale);
+          continue;
+        }
+      }
+      read_rows(k, ks, c, h, false);
+      for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+        f32x16 a[16];
+        for (int t = 0; t < 16; ++t) {
+          a[t] = qv[g * V] * rows[t * V];
+          for (int64_t j = 1; j < V; ++j) a[t] += qv[g * V + j] * rows[t * V + j];
+        }
+        store16(scores + g * width + c, sum16x16(a));
+      }
+    }
+  for (int64_t g = 0; g < heads * G; ++g) {  // softmax numerators in place; l divides at the end
+    float* s = scores + g * width;
+    for (int64_t t = n; t < width; ++t) s[t] = -INFINITY;  // exp16 makes these 0
+    f32x16 top = splat(-INFINITY);
+    for (int64_t c = 0; c < width; c += 16) {
+      const f32x16 x = load16(s + c);
+      top = top < x ? x : top;
+    }
+    float mg = top[0];
+    for (int i = 1; i < 16; ++i) mg = std::max(mg, top[i]);
+    f32x16 total{};
+    for (int64_t c = 0; c < width; c += 16) {
+      const f32x16 e = exp16(load16(s + c) - mg);
+      store16(s + c, e);
+      total += e;
+    }
+    m[h0 * G + g] = mg;
+    l[h0 * G + g] = sum16(total);
+  }
+  for (int64_t i = 0; i < heads * G * V; ++i) qv[i] = f32x16{};  // qv now accumulates the weighted values
+  for (int64_t c = 0; c < n; c += 16)
+    for (int64_t h = 0; h < heads; ++h) {
+      if (h == 0) find_slots(c);
+      const int64_t count = read_rows(v, vs, c, h, true);
+      for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+        const float* p = scores + g * width + c;
+        f32x16 o[kMaxRow];
+        for (int64_t j = 0; j < V; ++j) o[j] = qv[g * V + j];
+        for (int64_t t = 0; t < count; ++t)
+          for (int64_t j = 0; j < V; ++j) o[j] += p[t] * rows[t * V + j];
+        for (int64_t j = 0; j < V; ++j) qv[g * V + j] = o[j];
+      }
+    }
+  for (int64_t g = 0; g < heads * G; ++g) unpermute(qv + g * V, V, acc + (h0 * G + g) * D);
 }
 
 // T: q and out (float or bf16); S: the pool's entries (T, or int8 codes with float scales per (slot, kv head))
-template <typename T, typename S>
+template <int VT, typename T, typename S>
 void paged_attention_impl(const T* q, const S* k, const S* v, const float* ks, const float* vs, const int32_t* tables,
                           const int32_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                           int64_t max_blocks, int64_t bs) {
-  const int64_t G = H / Hkv, V = D / 16, slot = Hkv * D;
-  const float scale = 1.f / std::sqrt(float(D));
   // A work item reads whole slots (every kv head of a token: one contiguous run per block), which the hardware
   // prefetcher streams; one kv head per item read 1/Hkv of each slot and ran at ~2 GB/s. Sequences are split by
-  // kv head only when too few to keep every thread busy.
-  const int64_t split = B < 2 * at::get_num_threads() ? Hkv : 1, heads = Hkv / split;
-  at::parallel_for(0, B * split, 1, [&](int64_t w0, int64_t w1) {
-    f32x16 qv[kMaxVectors], acc[kMaxVectors], row[kMaxVectors / 4];
-    std::vector<float> scores;
-    float total[kMaxVectors];
+  // kv head, then by tokens, only when too few to keep every thread busy.
+  const int64_t threads = at::get_num_threads(), G = H / Hkv;
+  const int64_t split = B < 2 * threads ? Hkv : 1, heads = Hkv / split;
+  const int64_t longest = *std::max_element(lens, lens + B);
+  const int64_t parts = std::clamp<int64_t>(std::min((2 * threads + B * split - 1) / (B * split),
+                                                     (longest + kMinPart - 1) / kMinPart), 1, kMaxParts);
+  const int64_t part = (longest + parts - 1) / parts;
+  std::vector<float> m(B * parts * H), l(B * parts * H), acc(B * parts * H * D);  // [B, parts, H(, D)]
+  at::parallel_for(0, B * split * parts, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / split, h0 = w % split * heads, L = lens[b], n = heads * G * V;  // n query vectors
-      const int32_t* table = tables + b * max_blocks;
-      scores.resize(heads * G * L);
-      for (int64_t i = 0; i < n; ++i) qv[i] = load16(q + (b * H + h0 * G) * D + i * 16) * scale;
-      for (int64_t i = 0; i < n; ++i) acc[i] = f32x16{};
-      for (const S* base : {k, v}) {
-        const float* scales = base == k ? ks : vs;
-        for (int64_t blk = 0; blk * bs < L; ++blk) {
-          const S* rows = base + int64_t(table[blk]) * bs * slot + h0 * D;
-          if ((blk + 1) * bs < L) __builtin_prefetch(base + int64_t(table[blk + 1]) * bs * slot + h0 * D);
-          for (int64_t t = blk * bs; t < std::min(L, (blk + 1) * bs); ++t, rows += slot) {
-            for (int64_t h = 0; h < heads; ++h) {
-              for (int64_t j = 0; j < V; ++j) row[j] = load16(rows + h * D + j * 16);
-              if (scales) {
-                const float scale = scales[(int64_t(table[blk]) * bs + t - blk * bs) * Hkv + h0 + h];
-                for (int64_t j = 0; j < V; ++j) row[j] *= scale;
-              }
-              for (int64_t g = h * G; g < (h + 1) * G; ++g) {
-                if (base == k) {
-                  f32x16 a = qv[g * V] * row[0];
-                  for (int64_t j = 1; j < V; ++j) a += qv[g * V + j] * row[j];
-                  scores[g * L + t] = sum16(a);
-                } else {
-                  const float p = scores[g * L + t];
-                  for (int64_t j = 0; j < V; ++j) acc[g * V + j] += p * row[j];
-                }
-              }
-            }
-          }
-        }
-        if (base == v) break;
-        for (int64_t g = 0; g < heads * G; ++g) {  // softmax numerators in place; their sums divide at the end
-          float* sg = scores.data() + g * L;
-          const float m = *std::max_element(sg, sg + L);
-          float sum = 0.f;
-          for (int64_t t = 0; t < L; ++t) sum += (sg[t] = std::exp(sg[t] - m));
-          total[g] = sum;
-        }
+      const int64_t b = w / (split * parts), h0 = w / parts % split * heads, p = w % parts;
+      const int64_t t0 = std::min<int64_t>(p * part, lens[b]), t1 = std::min<int64_t>(t0 + part, lens[b]);
+      const int64_t at = (b * parts + p) * H;
+      if (t0 == t1) {  // a short sequence's empty part: nothing to merge
+        std::fill(m.begin() + at + h0 * G, m.begin() + at + (h0 + heads) * G, -INFINITY);
+        std::fill(l.begin() + at + h0 * G, l.begin() + at + (h0 + heads) * G, 0.f);
+        std::fill(acc.begin() + (at + h0 * G) * D, acc.begin() + (at + (h0 + heads) * G) * D, 0.f);
+        continue;
       }
-      T* o = out + (b * H + h0 * G) * D;
-      for (int64_t g = 0; g < heads * G; ++g)
-        for (int64_t j = 0; j < V; ++j)
-          for (int i = 0; i < 16; ++i) o[g * D + j * 16 + i] = T(acc[g * V + j][i] / total[g]);
+      attend_part<VT>(q + b * H * D, k, v, ks, vs, tables + b * max_blocks, t0, t1, h0, heads, G, Hkv, D, bs,
+                      m.data() + at, l.data() + at, acc.data() + at * D);
+    }
+  });
+  at::parallel_for(0, B * H, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {  // r = b * H + head
+      const int64_t b = r / H, head = r % H;
+      float top = -INFINITY, total = 0.f, weight[kMaxParts];
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, m[(b * parts + p) * H + head]);
+      for (int64_t p = 0; p < parts; ++p) {
+        weight[p] = std::exp(m[(b * parts + p) * H + head] - top);
+        total += weight[p] * l[(b * parts + p) * H + head];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        float o = 0.f;
+        for (int64_t p = 0; p < parts; ++p) o += weight[p] * acc[((b * parts + p) * H + head) * D + d];
+        out[r * D + d] = T(o / total);
+      }
     }
   });
 }
@@ -595,8 +801,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                     k_scale->is_contiguous() && v_scale->is_contiguous(),
                 "paged_attention wants contiguous float32 scales [slots, Hkv, 1]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "paged_attention wants contiguous q, k, v");
-  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(1) * q.size(2) / 16 <= kMaxVectors && k.size(2) / 16 <= kMaxVectors / 4,
-              "paged_attention wants head_dim a multiple of 16 and heads x head_dim <= 4096");
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(1) * q.size(2) / 16 <= kMaxVectors && k.size(2) / 16 <= kMaxRow,
+              "paged_attention wants head_dim a multiple of 16 up to 256 and heads x head_dim <= 4096");
   TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt && tables.is_contiguous() &&
                   tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
               "paged_attention wants int32 tables [B, max_blocks] and lens [B]");
@@ -611,7 +817,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
   auto run = [&](auto* qp, auto* kp, auto* vp) {  // out has q's dtype
     auto* op = out.data_ptr<std::remove_pointer_t<decltype(qp)>>();
-    paged_attention_impl(qp, kp, vp, ks, vs, tp, lp, op, B, H, Hkv, D, W, block_size);
+    if (D == 64)
+      paged_attention_impl<4>(qp, kp, vp, ks, vs, tp, lp, op, B, H, Hkv, D, W, block_size);
+    else if (D == 128)
+      paged_attention_impl<8>(qp, kp, vp, ks, vs, tp, lp, op, B, H, Hkv, D, W, block_size);
+    else
+      paged_attention_impl<0>(qp, kp, vp, ks, vs, tp, lp, op, B, H, Hkv, D, W, block_size);
   };
   if (q.scalar_type() == at::kFloat && int8)
     run(q.data_ptr<float>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>());

@@ -634,7 +634,7 @@ void attend_part(const T* q, const S* k, const S* v, const float* ks, const floa
   // The pool slots of tokens t0 + c + [0, 16), found once per 16 tokens, and of the 16 after them, whose rows are
   // prefetched while these are read: the blocks lie anywhere in the pool, so the hardware prefetcher restarts at
   // each, and the cores waited on memory, not overlapping it with the arithmetic (bf16, 32 sequences x 384 tokens,
-  // 2 threads: 11 -> 16 GB/s, against 23 GB/s streaming reads).
+  // 2 threads: 11 -> 14 GB/s, against 23 GB/s for a streaming read).
   int64_t slot_of[16], next_of[16], next_count = 0;
   auto find_slots = [&](int64_t c) {
     int64_t block = (t0 + c) / bs, offset = (t0 + c) % bs;

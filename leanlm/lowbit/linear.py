@@ -2,8 +2,9 @@
 and `dequantized_weight()` (the float weight the kernel computes with) for checks.
 
 Kernel facts measured on the 2-core Zen 4 box with torch 2.13:
-- W8A16 decode (up to 16 rows) and W4A16 run leanlm's kernels (leanlm/kernels): ~2x torch's `_weight_int8pack_mm`
-  and up to 1.6x `_weight_int4pack_mm_for_cpu` on the default model's matrices (`benchmarks/kernels.py`).
+- W8A16 decode (up to kernels.w8a16_rows(), measured per process) and W4A16 run leanlm's kernels
+  (leanlm/kernels): ~2x torch's `_weight_int8pack_mm` and up to 1.6x `_weight_int4pack_mm_for_cpu` on the default
+  model's matrices (`benchmarks/kernels.py`).
   `_weight_int8pack_mm` (W8A16 without a C++ compiler) wants activations and scales in one dtype; it is ~10x
   slower with float32, so it runs in bf16.
 - The int4 kernel also serves prefill: at 128-512 rows it is 1.2-2.4x slower than a bf16 GEMM but 2-6x faster
@@ -116,7 +117,7 @@ class W8A16Linear(_QuantLinearBase):
         if not x.is_cpu:
             return self._reference(x)
         x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] > kernels.MAX_ROWS:  # prefill: one GEMM on the int8 codes (exact in bf16)
+        if x2d.shape[0] > kernels.w8a16_rows():  # prefill: one GEMM on the int8 codes (exact in bf16)
             cdt = matmul_dtype(torch.bfloat16, x2d.device)
             y = F.linear(x2d.to(cdt), self.weight.to(cdt)).float() * self.scales.float()
         elif (ops := kernels.ops()) is not None:  # decode, short prompts, speculative checks

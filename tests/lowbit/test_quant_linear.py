@@ -95,6 +95,24 @@ def test_w8a8_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypa
         assert bool(calls) == kernel
 
 
+def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypatch):
+    """kernels.w8a16_rows() is measured (a row count it times); past it W8A16 widens its codes for one bf16 GEMM,
+    with the same result up to bf16 rounding."""
+    if kernels.ops() is None:
+        pytest.skip("no C++ compiler")
+    assert kernels.w8a16_rows() in (0, *kernels.TIMED_ROWS, 32, 64)
+    monkeypatch.setitem(kernels._loaded, "w8a16_rows", 2)
+    real, calls = kernels.ops(), []
+    fake = type("Ops", (), {"int8_gemv": lambda *a: calls.append(1) or real.int8_gemv(*a)})
+    monkeypatch.setattr(kernels, "ops", lambda: fake)
+    q = W8A16Linear.from_float(_linear(200, 48, bias=False))
+    for rows, kernel in ((2, True), (3, False)):
+        x = torch.randn(rows, 200).bfloat16()
+        calls.clear()
+        torch.testing.assert_close(q(x).float(), x.float() @ q.dequantized_weight().T, rtol=2e-2, atol=2e-2)
+        assert bool(calls) == kernel
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_leading_dims_and_no_bias(name):
     cls, kw = MODULES[name]

@@ -130,21 +130,6 @@ def test_int4_gemv_matches_float(ops, N, K, g, M):
     assert _rel(y, (x.double() @ w.T).float()) < 2e-4
 
 
-@pytest.mark.parametrize("N, K, g", [(48, 256, 32), (16, 576, 64), (64, 512, 128)])
-def test_int4_dequantize_is_the_weight_rounded_to_bf16_and_transposed(ops, N, K, g):
-    """W4A16's prefill weight: (q - 8) s + z per group, as float32 arithmetic gives it, rounded to the nearest bf16
-    (ties to even, as torch rounds), [K, N]."""
-    gen = torch.Generator().manual_seed(N + K + g)
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen)
-    scales = (torch.rand(K // g, N, generator=gen) + 0.5).bfloat16()
-    zeros = torch.randn(K // g, N, generator=gen).bfloat16()
-    w = (q.float() - 8) * scales.float().t().repeat_interleave(g, 1) + zeros.float().t().repeat_interleave(g, 1)
-    w_t = ops.int4_dequantize(pack_int4(q), scales, zeros, g)
-    assert w_t.dtype == torch.bfloat16 and torch.equal(w_t, w.bfloat16().t())
-    with pytest.raises(RuntimeError, match="multiple of the group"):
-        ops.int4_dequantize(pack_int4(q), scales, zeros, 40)
-
-
 def test_bad_arguments_raise(ops):
     w = torch.zeros(4, 64, dtype=torch.int8)
     with pytest.raises(RuntimeError, match=r"x \[M, K\]"):

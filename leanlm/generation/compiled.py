@@ -81,7 +81,7 @@ class StepCompiler:
         step as a CUDA graph (see _GraphedPlan)."""
         self.model, self.step, self.cuda_graphs = model, fn, cuda_graphs
         # timed now, eagerly: the traced Linears read them
-        kernels.bf16_rows(), kernels.int8_rows(), kernels.w8a16_rows(), kernels.int4_rows()
+        kernels.bf16_rows(), kernels.int8_rows(), kernels.w8a16_rows()
         self._plans: dict[tuple, _Plan | None] = {}
         self._compiled: dict[tuple, object] = {}  # key -> its own torch.compile'd copy of fn
         self._captured: tuple | None = None

@@ -160,33 +160,6 @@ def _time_w8a16_rows(ns) -> int:
                        (*TIMED_ROWS, 32, 64))
 
 
-def int4_rows() -> int:
-    """Rows of activations up to which W4A16 runs int4_gemv rather than one bf16 GEMM on its weight dequantized by
-    int4_dequantize, timed once per process (~0.3 s) over four 3072 x 576 weights in turn, from 16 rows up: below,
-    the kernel reads each weight byte once for all the rows while dequantizing writes and reads two bytes per weight
-    (at 1 row 25 us against 400). With AMX the two cross between 64 and 128 rows (1.4x apart at 128, 2.6x at 256,
-    where the int4 kernel has turned compute-bound)."""
-    if "int4_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
-        ns = ops()
-        _loaded["int4_rows"] = max(8, _time_int4_rows(ns)) if ns is not None else 0
-    return _loaded["int4_rows"]
-
-
-def _time_int4_rows(ns) -> int:
-    N, K, g = 3072, 576, 64
-    weights = [torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cpu") for _ in range(4)]  # any bytes
-    scales = torch.rand(K // g, N, device="cpu").to(torch.bfloat16)
-
-    def ours(x, weights):
-        return [ns.int4_gemv(x, w, scales, scales, g) for w in weights]
-
-    def dequantized(x, weights):  # as lowbit.linear.W4A16Linear's prefill
-        return [x @ ns.int4_dequantize(w, scales, scales, g) for w in weights]
-
-    return faster_rows(ours, dequantized, weights, lambda m: torch.randn(m, K, device="cpu").to(torch.bfloat16),
-                       (16, 32, 64, 128))
-
-
 def _time_int8_rows(ns) -> int:
     w = torch.randint(-127, 128, (8192, 1024), dtype=torch.int8, device="cpu")
     scale = torch.rand(8192, device="cpu")

@@ -3,7 +3,6 @@
 //   int8_gemv_q8: the same with x given as int8 codes and a scale per row (W8A8's per-token activations)
 //   quantize_rows: those codes and scales from x in one pass
 //   int4_gemv: y[m, n] = sum_k x[m, k] ((q[n, k] - 8) s[n, k/g] + z[n, k/g])   q in [0, 15], groups of g along K
-//   int4_dequantize: that weight, transposed, in bf16 [K, N] (W4A16's prefill: one bf16 GEMM)
 //   bf16_gemm: y[m, n] = sum_k x[m, k] w[n, k]                       x, w bf16 (batched decode of 16-bit models)
 //
 // The activation rows are rounded to int16 with one scale per row (error at most 2^-16 of the row's largest
@@ -477,61 +476,6 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
 #endif
 std::string bf16_isa() { return LEANLM_BF16_DOT; }
 
-// W4A16 for many rows: the weight (q - 8) s + z of int4_gemv, rounded to bf16 and written transposed, wT [K, N],
-// for one bf16 GEMM (x @ wT). A tile's 32 bytes for columns k..k+3 are 16 rows' 16-bit lanes, so each column of
-// the tile comes out as 16 contiguous values of wT's row k: nibbles masked out of the lanes, no gathers. Rounding
-// to nearest even, as torch's float -> bf16.
-typedef uint16_t u16x16v __attribute__((vector_size(32)));
-typedef int32_t i32x16v __attribute__((vector_size(64)));
-typedef float f32x16v __attribute__((vector_size(64)));
-typedef uint32_t u32x16v __attribute__((vector_size(64)));
-
-inline f32x16v bf16x16_to_float(const bf16* p) {
-  u16x16v h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16v w = __builtin_convertvector(h, u32x16v) << 16;
-  f32x16v v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros, int64_t g) {
-  const int64_t N = w.size(0), K = 2 * w.size(-1);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "int4_dequantize wants a contiguous uint8 int4 weight [N, K / 2]");
-  TORCH_CHECK(g > 0 && g % 4 == 0 && K % g == 0 && N % 16 == 0, "int4_dequantize needs K (", K,
-              ") a multiple of the group ", g, " (a multiple of 4) and N (", N, ") of 16");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
-                  scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
-                  zeros.is_contiguous(),
-              "int4_dequantize wants contiguous bf16 scales and zeros [K / g, N]");
-  at::Tensor out = at::empty({K, N}, w.options().dtype(at::kBFloat16));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
-  // threads take whole rows of wT (columns k of w): split by tiles, two threads wrote halves of the same cache
-  // lines in every row, and the pair ran 10x slower than one thread alone
-  at::parallel_for(0, K / 4, 8, [&](int64_t c0, int64_t c1) {
-    for (int64_t k = 4 * c0; k < 4 * c1; k += 4)
-      for (int64_t t = 0; t < N / 16; ++t) {
-        u16x16v lanes;  // lane i: row 16 t + i's bytes (q[k] | q[k + 2] << 4) and (q[k + 1] | q[k + 3] << 4)
-        std::memcpy(&lanes, wp + t * 8 * K + k / 4 * 32, sizeof lanes);
-        const int64_t j = (k / g) * N + t * 16;
-        const f32x16v s = bf16x16_to_float(sp + j), z = bf16x16_to_float(zp + j);
-        const u16x16v q[4] = {lanes & 15, (lanes >> 8) & 15, (lanes >> 4) & 15, lanes >> 12};
-        for (int c = 0; c < 4; ++c) {
-          const f32x16v v = (__builtin_convertvector(__builtin_convertvector(q[c], i32x16v), f32x16v) - 8.f) * s + z;
-          u32x16v bits;
-          std::memcpy(&bits, &v, sizeof bits);
-          bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
-          const u16x16v h = __builtin_convertvector(bits, u16x16v);
-          std::memcpy(op + (k + c) * N + t * 16, &h, sizeof h);
-        }
-      }
-  });
-  return out;
-}
-
 // Paged decode attention: one query token per sequence against its keys and values in the block pool, read in
 // place through its block table (a gathered copy would move as many bytes as attention reads).
 // q [B, H, D]; k, v [slots, Hkv, D] (slot = block * bs + offset); tables [B, max_blocks] int32; lens [B] int32.
@@ -903,7 +847,6 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
-  m.def("int4_dequantize(Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
@@ -914,6 +857,5 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int8_gemv_q8", int8_gemv_q8);
   m.impl("quantize_rows", quantize_rows);
   m.impl("int4_gemv", int4_gemv);
-  m.impl("int4_dequantize", int4_dequantize);
   m.impl("paged_attention", paged_attention);
 }

@@ -7,9 +7,8 @@ Kernel facts measured on the 2-core Zen 4 box with torch 2.13:
   model's matrices (`benchmarks/kernels.py`).
   `_weight_int8pack_mm` (W8A16 without a C++ compiler) wants activations and scales in one dtype; it is ~10x
   slower with float32, so it runs in bf16.
-- The int4 kernel served prefill too: at 128-512 rows it is 1.2-2.4x slower than a bf16 GEMM, and dequantizing
-  in torch ops cost 2-6x more. `int4_dequantize` (C++, the weight in bf16, transposed) costs ~0.4 ms for a 3072 x 576
-  weight on 2 threads: past `kernels.int4_rows()` (measured, ~64-128 rows) prefill is one bf16 GEMM on it.
+- The int4 kernel also serves prefill: at 128-512 rows it is 1.2-2.4x slower than a bf16 GEMM but 2-6x faster
+  than dequantizing the weight for one (qwen2.5-0.5b's MLP shapes, two threads).
 - `torch._int_mm` on CPU accepts any shape; at M = 1 with the [N, K] weight passed as a transposed view it is
   ~6x faster than an int32 matmul and ~18x faster than padding M to 17 (4096x4096, one thread).
 
@@ -200,13 +199,8 @@ class W4A16Linear(_QuantLinearBase):
             return self._finish(y, x)
         if not x.is_cpu or (ops := kernels.ops()) is None:
             return self._reference(x)
-        x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] > kernels.int4_rows():  # prefill: one bf16 GEMM on the weight dequantized for it
-            cdt = matmul_dtype(torch.bfloat16, x2d.device)
-            w_t = ops.int4_dequantize(self.weight_packed, self.scales, self.zeros, self.group_size)  # [K, N]
-            y = x2d.to(cdt) @ w_t.to(cdt)
-        else:
-            y = ops.int4_gemv(x2d, self.weight_packed, self.scales, self.zeros, self.group_size)
+        y = ops.int4_gemv(x.reshape(-1, self.in_features), self.weight_packed, self.scales, self.zeros,
+                          self.group_size)
         return self._finish(y, x)
 
     def _tinygemm_weights_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -113,25 +113,6 @@ def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeyp
         assert bool(calls) == kernel
 
 
-def test_w4a16_prefill_takes_one_gemm_on_the_dequantized_weight_past_the_measured_rows(monkeypatch):
-    """Past kernels.int4_rows() W4A16 multiplies by its weight dequantized to bf16 (int4_dequantize): the same
-    product as the int4 kernel's up to bf16 rounding of the weight."""
-    if kernels.ops() is None:
-        pytest.skip("no C++ compiler")
-    assert 8 <= kernels.int4_rows() <= 128
-    monkeypatch.setitem(kernels._loaded, "int4_rows", 2)
-    real, calls = kernels.ops(), []
-    fake = type("Ops", (), {"int4_gemv": lambda *a: calls.append("kernel") or real.int4_gemv(*a),
-                            "int4_dequantize": lambda *a: calls.append("dequantized") or real.int4_dequantize(*a)})
-    monkeypatch.setattr(kernels, "ops", lambda: fake)
-    q = W4A16Linear.from_float(_linear(256, 48, bias=False), group_size=32)
-    for rows, path in ((2, "kernel"), (3, "dequantized")):
-        x = torch.randn(rows, 256).bfloat16()
-        calls.clear()
-        torch.testing.assert_close(q(x).float(), x.float() @ q.dequantized_weight().T, rtol=2e-2, atol=2e-2)
-        assert calls == [path]
-
-
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_leading_dims_and_no_bias(name):
     cls, kw = MODULES[name]

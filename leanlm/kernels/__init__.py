@@ -12,7 +12,6 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
     y = ops.int8_gemv_q8(xq, xs, w, scale)  # x = xq [M, K] int8 * xs [M]; scale [N] float32 (W8A8)
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
-    w_t = ops.int4_dequantize(packed, scales, zeros, g)  # that weight in bf16, transposed: [K, N] (prefill)
     y = ops.int8_24_gemv(x, values, masks, scale)  # sparse.cpp: 2:4-sparse int8 (lowbit/sparse24.pack_24), values
                                                    # [N, K/2] int8, masks [N, ceil(K/8)] uint8, scale [N] bf16
     w = ops.int8_24_unpack(values, masks)  # their dense int8 codes [N, K]

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import leanlm
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.record import RECORD
 from leanlm.models.loading import load_model
 from tests.test_cli import leanlm as run_cli
 
@@ -50,6 +51,16 @@ def test_quantize_writes_what_the_cli_writes(tiny_dir, text, tmp_path):
     assert torch.equal(built.model(ids, positions), saved(ids, positions))  # the model handed back is the one saved
 
 
+def test_symmetric_hqq_from_the_cli(tiny_dir, tmp_path):
+    leanlm.quantize(tiny_dir, method="hqq", group_size=32, symmetric=True, out=tmp_path / "lib")
+    r = run_cli("quantize", tiny_dir, "--method", "hqq", "--group-size", "32", "--symmetric", "-o", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    _same_directories(tmp_path / "lib", tmp_path / "cli")
+    recipe = json.loads((tmp_path / "cli" / RECORD).read_text())["recipe"]
+    assert recipe[0] == {"method": "hqq", "bits": 4, "group_size": 32, "symmetric": True, "iters": 20, "lp_norm": 0.7,
+                         "beta": 10.0, "kappa": 1.01}
+
+
 def test_prune_writes_what_the_cli_writes(tiny_dir, text, tmp_path):
     leanlm.prune(tiny_dir, method="wanda", sparsity=0.5, out=tmp_path / "lib", data=text, samples=4, seq_len=16)
     r = run_cli("prune", tiny_dir, "--method", "wanda", "--sparsity", "0.5", "--data", text, "--samples", "4",
@@ -65,7 +76,7 @@ def test_a_recipe_as_a_list_of_steps(tiny_dir, tmp_path):
     assert built.quantized and json.loads((tmp_path / "q" / "quantization.json").read_text())["recipe"] == [
         {"method": "magnitude", "sparsity": None, "pattern": "2:4", "scope": "row"}, {"method": "rtn", "bits": 8,
                                                                                      "group_size": 128, "act_bits": 16,
-                                                                                     "layers": None}]
+                                                                                     "layers": None, "symmetric": False}]
 
 
 @pytest.mark.parametrize("call,message", [

@@ -22,7 +22,7 @@ from leanlm.prompt.compressor import PromptCompressor
 @app.command()
 def quantize(
     model: Model,
-    method: Annotated[Optional[str], typer.Option(help="rtn, gptq, awq, smoothquant, llm_int8, fp8 (smooth, "
+    method: Annotated[Optional[str], typer.Option(help="rtn, gptq, awq, hqq, smoothquant, llm_int8, fp8 (smooth, "
                                                        "lm_head: for recipes); default rtn")] = None,
     recipe: Annotated[Optional[Path], typer.Option(help="YAML list of steps applied in order, each a method and "
                                                         "its options, e.g. `- method: smooth` then `- {method: rtn, "
@@ -34,6 +34,9 @@ def quantize(
                                                           "layer whose K it does not divide gets the largest that does)")] = None,
     act_bits: Annotated[Optional[int], typer.Option(help="rtn: 16 weight-only (default) or 8 (W8A8, per-token int8 "
                                                         "activations)")] = None,
+    symmetric: Annotated[Optional[bool], typer.Option("--symmetric/--asymmetric", help="int4 grid: absmax codes -8..7 "
+                                                      "(llm-compressor's default scheme) or zero points (default); "
+                                                      "8-bit weights are always symmetric")] = None,
     act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help="gptq: quantize columns by "
                                                       "decreasing Hessian diagonal (default on)")] = None,
     alpha: Annotated[Optional[float], typer.Option(help="smoothquant: migration strength in [0, 1] (default: each "
@@ -52,8 +55,8 @@ def quantize(
 ) -> None:
     """Quantize MODEL's decoder projections onto the runtime int8/int4/fp8 kernels and save it to -o DIR
     (calibrated methods read --samples x --seq-len tokens of the calibration text)."""
-    options = {"bits": bits, "group_size": group_size, "act_bits": act_bits, "act_order": act_order, "alpha": alpha,
-               "threshold": threshold}
+    options = {"bits": bits, "group_size": group_size, "symmetric": symmetric, "act_bits": act_bits,
+               "act_order": act_order, "alpha": alpha, "threshold": threshold}
     _recipe_alone(recipe, method, options)
     with recipe_progress() as progress:
         built = pipeline.quantize(model, method, out=output, recipe=recipe, lm_head=lm_head, data=data,

@@ -154,15 +154,7 @@ class W4A16Linear(_QuantLinearBase):
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: torch.Tensor | None = None):
         super().__init__(in_features, out_features, bias)
-        if group_size not in self.GROUP_SIZES:
-            raise LeanLMError(f"W4A16 group_size={group_size} is not supported; use one of {self.GROUP_SIZES}")
-        if in_features % group_size:
-            fits = [g for g in self.GROUP_SIZES if in_features % g == 0]
-            raise LeanLMError(f"W4A16 group_size={group_size} does not divide in_features={in_features}; "
-                              + (f"use one of {fits}" if fits else "keep this layer in 8 or 16 bits"))
-        if out_features % 16:
-            raise LeanLMError(f"W4A16 needs out_features divisible by 16 (the int4 kernel's tiles), "
-                              f"got {out_features}; keep this layer in 8 or 16 bits")
+        self.check_shape(in_features, out_features, group_size)
         self.group_size, G = group_size, in_features // group_size
         # w = (q - 8) * scale + zero: `zero` is the weight where q = 8 (mid-range, so bf16 holds it closely)
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
@@ -172,16 +164,43 @@ class W4A16Linear(_QuantLinearBase):
         kernels.ops()  # built (or found) now, not first inside a compiled graph
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, group_size: int = 128, qparams=None) -> "W4A16Linear":
-        """qparams: (scale, zero) [N, K/g] of a grid found elsewhere (GPTQ), instead of the weight's range."""
+    def check_shape(cls, in_features: int, out_features: int, group_size: int) -> None:
+        """A LeanLMError unless the int4 kernel takes this layer."""
+        if group_size not in cls.GROUP_SIZES:
+            raise LeanLMError(f"W4A16 group_size={group_size} is not supported; use one of {cls.GROUP_SIZES}")
+        if in_features % group_size:
+            fits = [g for g in cls.GROUP_SIZES if in_features % g == 0]
+            raise LeanLMError(f"W4A16 group_size={group_size} does not divide in_features={in_features}; "
+                              + (f"use one of {fits}" if fits else "keep this layer in 8 or 16 bits"))
+        if out_features % 16:
+            raise LeanLMError(f"W4A16 needs out_features divisible by 16 (the int4 kernel's tiles), "
+                              f"got {out_features}; keep this layer in 8 or 16 bits")
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = 128, qparams=None, symmetric: bool = False
+                   ) -> "W4A16Linear":
+        """qparams: (scale, zero) [N, K/g] of a grid found elsewhere (GPTQ, HQQ's float zero), instead of the
+        weight's range. symmetric: the absmax grid (codes -8..7, zero 0), which the kernel holds as codes 0..15
+        with the weight at code 8 equal to 0."""
+        _check_linear(linear, cls.__name__)
+        cls.check_shape(linear.in_features, linear.out_features, group_size)
+        w = linear.weight.detach().float().cpu()
+        spec = QuantSpec(4, symmetric=symmetric, granularity="group", group_size=group_size)
+        scale, zero = compute_qparams(w, spec) if qparams is None else qparams  # [N, K/g]
+        codes = quantize(w, scale, zero, spec).to(torch.int16) - spec.qmin  # 0..15
+        # (c - z) s with c = code + qmin  =  (code - 8) s + (8 + qmin - z) s
+        return cls.from_codes(linear, group_size, codes, scale, (8 + spec.qmin - zero.float()) * scale.float())
+
+    @classmethod
+    def from_codes(cls, linear: nn.Linear, group_size: int, codes: torch.Tensor, scale: torch.Tensor,
+                   mid: torch.Tensor) -> "W4A16Linear":
+        """The layer whose weight is (codes - 8) * scale + mid, for methods that choose their own codes (HQQ,
+        AutoRound): codes [N, K] in 0..15, scale and mid (the weight at code 8) [N, K/g], stored in bfloat16."""
         _check_linear(linear, cls.__name__)
         m = cls(linear.in_features, linear.out_features, group_size, _bias(linear))
-        w = linear.weight.detach().float().cpu()
-        spec = QuantSpec(4, symmetric=False, granularity="group", group_size=group_size)
-        scale, zero = compute_qparams(w, spec) if qparams is None else qparams  # [N, K/g]
-        m.weight_packed = pack_int4(quantize(w, scale, zero, spec))
-        m.scales = scale.t().to(torch.bfloat16).contiguous()
-        m.zeros = ((8 - zero.float()) * scale).t().to(torch.bfloat16).contiguous()  # (q - z) s = (q - 8) s + (8 - z) s
+        m.weight_packed = pack_int4(codes.cpu())
+        m.scales = scale.float().t().to(torch.bfloat16).contiguous()
+        m.zeros = mid.float().t().to(torch.bfloat16).contiguous()
         return m.to(linear.weight.device)
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -286,7 +286,7 @@ def mixed_config(assignment: dict[str, str], act_bits: int = 16) -> RTN:
         elif o != default:
             layers[name] = o.bits if o.bits == 8 or o.group_size == default.group_size else \
                 {"bits": 4, "group_size": o.group_size}
-    return RTN(default.bits, default.group_size, act_bits, layers or None)
+    return RTN(default.bits, default.group_size, act_bits=act_bits, layers=layers or None)
 
 
 def mixed_recipe(assignment: dict[str, str], act_bits: int = 16) -> str:

@@ -199,7 +199,7 @@ def awq(model, config: AWQ, progress=None, samples=None) -> dict[str, dict]:
     def solve(index, block, linears):
         prefix = f"layers.{index}."
         attn = block.self_attn
-        specs = {name: QuantSpec(4, symmetric=False, granularity="group",
+        specs = {name: QuantSpec(4, symmetric=config.symmetric, granularity="group",
                                  group_size=group_for(linear.in_features, config.group_size))
                  for name, (linear, _) in linears.items()}
         Hs = {name: stats.value for name, (_, stats) in linears.items()}
@@ -222,7 +222,7 @@ def awq(model, config: AWQ, progress=None, samples=None) -> dict[str, dict]:
                 w = linear.weight.detach().float().clone()
                 w[rows] = search_clip(w[rows], Hs[name], specs[name])
                 linear.weight.data = w  # float32; the packing below takes its grid from these values
-            new = W4A16Linear.from_float(linear, specs[name].group_size)
+            new = W4A16Linear.from_float(linear, specs[name].group_size, symmetric=config.symmetric)
             replace_module(model, name, new)
             records[name] = new.record()
             if progress:

@@ -26,7 +26,8 @@ KEEP_FLOAT = 16  # a per-layer `bits` that leaves the projection in float (for a
 
 @dataclass(frozen=True)
 class RTN:
-    """bits 8: per-channel int8 weights (W8A16, or W8A8 with act_bits=8); bits 4: int4 groups along K.
+    """bits 8: per-channel int8 weights (W8A16, or W8A8 with act_bits=8); bits 4: int4 groups along K, asymmetric
+    (zero points) unless `symmetric` (absmax; 8-bit weights are always symmetric).
 
     layers (mixed precision, recipes only): {projection name or glob such as "layers.*.mlp.down_proj": bits}
     overrides bits (and group size) per projection; a value is 4, 8, 16 (left in float) or {bits: 4, group_size:
@@ -38,6 +39,7 @@ class RTN:
     group_size: int = 128
     act_bits: int = 16
     layers: dict | None = field(default=None, hash=False)  # a dict cannot be hashed; the other fields identify it
+    symmetric: bool = False
 
     def __post_init__(self):
         if self.bits not in (4, 8):
@@ -94,13 +96,15 @@ class RTN:
 
 @dataclass(frozen=True)
 class Int4Options:
-    """Options shared by the calibrated int4 methods (GPTQ, AWQ): both pack onto the W4A16 kernel, asymmetric
-    groups along K (g, or the largest of 64/32 dividing a layer's K)."""
+    """Options shared by the int4 methods (GPTQ, AWQ, HQQ, AutoRound): each packs onto the W4A16 kernel, groups
+    along K (g, or the largest of 64/32 dividing a layer's K), asymmetric (zero points) unless `symmetric` (the
+    absmax grid -8..7 that llm-compressor's default int4 scheme uses)."""
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "quantize"
     bits: int = 4
     group_size: int = 128
+    symmetric: bool = False
 
     def __post_init__(self):
         if self.bits != 4:
@@ -116,20 +120,22 @@ def group_for(in_features: int, group_size: int) -> int:
     raise LeanLMError(f"no int4 group size <= {group_size} divides in_features={in_features}")
 
 
-def quantize_layer(linear, scheme: str, group_size: int = 128, **options):
-    """(quantized module, record) for one nn.Linear; `options` go to the scheme's from_float (threshold=...)."""
+def quantize_layer(linear, scheme: str, group_size: int = 128, symmetric: bool = False, **options):
+    """(quantized module, record) for one nn.Linear; `options` go to the scheme's from_float (threshold=...);
+    symmetric: absmax int4 groups (8-bit schemes are symmetric anyway)."""
     if scheme == "w4a16":
-        new = W4A16Linear.from_float(linear, group_for(linear.in_features, group_size))
+        new = W4A16Linear.from_float(linear, group_for(linear.in_features, group_size), symmetric=symmetric)
     else:
         new = SCHEMES[scheme].from_float(linear, **options)
     return new, new.record()
 
 
-def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None, **options) -> dict[str, dict]:
+def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None, symmetric: bool = False,
+                     **options) -> dict[str, dict]:
     """Replace every decoder projection with its quantized module; {layer name: record}."""
     records = {}
     for name, linear in list(decoder_linears(model)):
-        new, records[name] = quantize_layer(linear, scheme, group_size, **options)
+        new, records[name] = quantize_layer(linear, scheme, group_size, symmetric, **options)
         replace(model, name, new)
         if progress:
             progress(name)
@@ -139,7 +145,7 @@ def quantize_decoder(model, scheme: str, group_size: int = 128, progress=None, *
 @register(RTN)
 def rtn(model, config: RTN, progress=None, samples=None) -> dict[str, dict]:
     if not config.layers:
-        return quantize_decoder(model, config.scheme, config.group_size, progress)
+        return quantize_decoder(model, config.scheme, config.group_size, progress, config.symmetric)
     linears = list(decoder_linears(model))
     unmatched = [p for p in config.layers if not any(fnmatchcase(name, p) for name, _ in linears)]
     if unmatched:  # a typo would otherwise quietly give those layers the default bits
@@ -149,7 +155,7 @@ def rtn(model, config: RTN, progress=None, samples=None) -> dict[str, dict]:
     for name, linear in linears:
         bits, group_size = config.layer_bits(name)
         if bits != KEEP_FLOAT:
-            new, records[name] = quantize_layer(linear, config.scheme_for(bits), group_size)
+            new, records[name] = quantize_layer(linear, config.scheme_for(bits), group_size, config.symmetric)
             replace(model, name, new)
         if progress:
             progress(name)

@@ -5,7 +5,7 @@ the CUDA matrix kernels the quantized layers could use, each next to its peer in
 
 --random: DIR needs only config.json and the tokenizer; the weights are random (seed 0) of that exact shape, for
 machines that cannot pull the zoo. Speed depends on shapes only; parity compares the same weights in both.
-Sections: p parity, l batch-1 latency, t offline throughput, q quantized decode, k kernels. Tables on stdout,
+Sections: p parity, l batch-1 latency, t offline throughput, q quantized decode, s served, k kernels. Tables on stdout,
 progress on stderr.
 """
 
@@ -16,6 +16,7 @@ import functools
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 import leanlm.bench.latency as latency_module
 from leanlm.bench.latency import bench
+from leanlm.bench.serve import LocalServer
 from leanlm.compress.registry import apply
 from leanlm.pipeline import make_config
 from leanlm.engine import LLM
@@ -124,7 +126,6 @@ def hf_latency(path: Path, prompt: int, new: int) -> tuple[float, float]:
 
     ttft = timed(lambda: run(1), reps=5, warmup=2)
     total = timed(lambda: run(new), reps=3, warmup=1)
-    del model
     return ttft, (total - ttft) / (new - 1)
 
 
@@ -179,20 +180,46 @@ SCHEMES = {"bf16": None, "w8a16": ("rtn", {"bits": 8}), "w4a16 g128": ("rtn", {"
            "w8a8": ("rtn", {"bits": 8, "act_bits": 8}), "fp8": ("fp8", {})}
 
 
-def quantized(name: str, path: Path) -> Iterator[list]:
+def quantized(name: str, path: Path, compile: bool) -> Iterator[list]:
     for scheme, spec in SCHEMES.items():
         model = load_model(path, torch.bfloat16, CUDA)
         if spec:
             apply(model, make_config(*spec))
         values = [name, scheme]
-        for batch in (1, 32):
+        for batch, compiled in ((1, False), (32, False), (1, True))[:3 if compile else 2]:
             try:
-                values.append(bench(model, name, 128, 32, batch=batch).tokens_per_s)
+                values.append(bench(model, name, 128, 32, batch=batch, compiled=compiled).tokens_per_s)
             except Exception as e:  # noqa: BLE001 - a scheme that fails on this GPU is a finding, not a crash
                 values.append(f"error: {type(e).__name__}: {str(e)[:80]}")
         yield values
         del model
         empty_cache()
+
+
+SERVE_LEVELS = (1, 8, 32, 64)
+
+
+def served(name: str, path: Path, modes: tuple[str, ...] = ("--eager", "--compile")) -> Iterator[list]:
+    """`leanlm serve` started cold on a loopback port, eager and --compile; one `leanlm bench serve` run per
+    concurrency against it (2 x concurrency requests, at least 8, no warm-up request)."""
+    for mode in modes:
+        label, extra = f"leanlm serve {mode}", [mode]
+        log(f"{name}: {label}")
+        start = time.perf_counter()
+        with LocalServer.leanlm(str(path), name, ["--device", CUDA.type, *extra]) as server:
+            values = [name, f"{label}, ready in {time.perf_counter() - start:.0f} s"]
+            for c in SERVE_LEVELS:
+                out = subprocess.run([sys.executable, "-m", "leanlm.cli", "bench-serve", server.url, "--json",
+                                      "--warmup", "0", "--max-concurrency", str(c), "--num-prompts", str(max(8, 2 * c)),
+                                      "--vocab", "20000"], capture_output=True, text=True, timeout=600)
+                if out.returncode:
+                    log(f"{out.stderr}\nthe server's log:\n{server.log_tail()}")
+                    values.append(f"error: {out.stderr.strip()[-120:]}")
+                    continue
+                r = json.loads(out.stdout)
+                r = r[0] if isinstance(r, list) else r
+                values.append(f"{r['output_throughput']:.0f} ({r['tpot_ms']['p50']:.1f} ms)")
+        yield values
 
 
 def kernels(K: int, N: int) -> Iterator[list]:
@@ -258,7 +285,10 @@ def main() -> None:
                 ("t", "Offline throughput, bf16 (256 prompts, 256 in, 128 out, greedy)",
                  ["model", "runtime", "requests", "output tokens/s", "seconds"], throughput),
                 ("q", "Quantized decode on the GPU (128-token prompt), tokens/s",
-                 ["model", "scheme", "batch 1", "batch 32"], quantized)]
+                 ["model", "scheme", "eager batch 1", "eager batch 32", "compiled batch 1"],
+                 lambda n, p: quantized(n, p, not args.no_compile)),
+                ("s", "Served on the GPU: `leanlm bench serve` (256 in / 128 out, cold server), output tokens/s",
+                 ["model", "server", *(f"{c} concurrent" for c in SERVE_LEVELS)], served)]
     for key, title, columns, fn in sections:
         if key in args.sections:
             header(title, columns)
@@ -267,6 +297,7 @@ def main() -> None:
                     for values in fn(name, path):
                         row(values)
                 except Exception as e:  # noqa: BLE001 - report and go on to the next model
+                    log(f"{name}: {type(e).__name__}: {e}")
                     row([name, f"error: {type(e).__name__}: {str(e)[:160]}"])
                     empty_cache()
     if "k" in args.sections:

@@ -35,11 +35,11 @@ def test_grid_is_the_weight_it_was_tuned_with():
     for symmetric in (False, True):
         t = TunedWeight(linear, 32, symmetric)
         with torch.no_grad():  # somewhere inside the box the tuning keeps them in
-            t.v.uniform_(-0.5, 0.5)
-            t.alpha.uniform_(0.5, 1.0)
-            t.beta.uniform_(0.5, 1.0)
+            for p in t.parameters():
+                p.uniform_(0.5, 1.0) if p is not t.v else p.uniform_(-0.5, 0.5)
         codes, scale, mid = t.grid()
-        assert int(codes.max()) <= 15 and list(t.parameters()) == [t.v, t.alpha, t.beta]  # the bias is not tuned
+        assert int(codes.max()) <= 15  # the bias is not tuned; a symmetric grid has no lower clip ratio
+        assert list(t.parameters()) == ([t.v, t.alpha] if symmetric else [t.v, t.alpha, t.beta])
         packed = W4A16Linear.from_codes(linear, 32, codes, scale, mid)
         expected = t.weight().detach()
         assert torch.allclose(packed.dequantized_weight(), expected, rtol=0, atol=0.02 * expected.abs().max())
@@ -53,18 +53,19 @@ def _logit_error(model, ref) -> float:
         return (model(SAMPLES, positions) - ref(SAMPLES, positions)).pow(2).mean().item()
 
 
-def test_tuning_fits_the_float_model_better_than_rounding(src, tmp_path):
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_tuning_fits_the_float_model_better_than_rounding(src, tmp_path, symmetric):
     ref = load_model(src, torch.float32)
     errors = {}
     for steps in (0, 40):
         model = load_model(src, torch.float32)
-        records = apply(model, AutoRound(group_size=32, iters=steps, lr=0.01), samples=SAMPLES)
+        records = apply(model, AutoRound(group_size=32, iters=steps, lr=0.01, symmetric=symmetric), samples=SAMPLES)
         errors[steps] = _logit_error(model, ref)
     assert errors[40] < 0.8 * errors[0]
     assert set(records) == {n for n, _ in decoder_linears(ref)}
     out = tmp_path / "q"
     out.mkdir()
-    qformat.save(model, records, AutoRound(group_size=32, iters=40, lr=0.01), src, out)
+    qformat.save(model, records, AutoRound(group_size=32, iters=40, lr=0.01, symmetric=symmetric), src, out)
     again = load_model(out, torch.float32)
     assert _logit_error(again, model) == 0.0
 

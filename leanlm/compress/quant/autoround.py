@@ -48,8 +48,8 @@ class TunedWeight(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()  # a tensor, not a parameter to tune
         self.w = linear.weight.detach().float().reshape(N, K // group_size, group_size)
         self.v = nn.Parameter(torch.zeros_like(self.w))
-        self.alpha = nn.Parameter(torch.ones(N, K // group_size, 1))
-        self.beta = nn.Parameter(torch.ones(N, K // group_size, 1))
+        self.alpha = nn.Parameter(torch.ones(N, K // group_size, 1))  # of the largest weight (of |W| if symmetric)
+        self.beta = None if symmetric else nn.Parameter(torch.ones(N, K // group_size, 1))  # of the smallest
 
     def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.symmetric:
@@ -73,8 +73,9 @@ class TunedWeight(nn.Module):
     @torch.no_grad()
     def clamp_(self) -> None:
         self.v.clamp_(-0.5, 0.5)
-        self.alpha.clamp_(0.5, 1.0)
-        self.beta.clamp_(0.5, 1.0)
+        for ratio in (self.alpha, self.beta):
+            if ratio is not None:
+                ratio.clamp_(0.5, 1.0)
 
     @torch.no_grad()
     def grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

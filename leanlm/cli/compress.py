@@ -40,7 +40,7 @@ def quantize(
     act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help="gptq: quantize columns by "
                                                       "decreasing Hessian diagonal (default on)")] = None,
     iters: Annotated[Optional[int], typer.Option(help="autoround: signed-gradient steps per block (default 200, "
-                                                      "~0.26 s each for SmolLM2-135M on 2 cores); hqq: solver "
+                                                      "~0.3 s each for SmolLM2-135M on 2 cores); hqq: solver "
                                                       "iterations (default 20)")] = None,
     alpha: Annotated[Optional[float], typer.Option(help="smoothquant: migration strength in [0, 1] (default: each "
                                                         "projection's own, searched on the calibration data)")] = None,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
+from leanlm.compress.quant.hqq import HQQ
 from leanlm.compress.quant.rtn import FP8, RTN
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.errors import LeanLMError
@@ -13,7 +14,8 @@ from tests.conftest import make_hf_model
 from tests.test_cli import leanlm
 
 
-@pytest.mark.parametrize("config,bits", [(RTN(8), 8), (RTN(4, 32), 4), (RTN(8, act_bits=8), 8), (FP8(), 8)])
+@pytest.mark.parametrize("config,bits", [(RTN(8), 8), (RTN(4, 32), 4), (RTN(8, act_bits=8), 8), (FP8(), 8),
+                                         (RTN(4, 32, symmetric=True), 4), (HQQ(group_size=32), 4)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantize_save_load_gives_identical_logits(tmp_path, config, bits, arch):
     make_hf_model(arch, tmp_path / "src")

@@ -179,8 +179,8 @@ class W4A16Linear(_QuantLinearBase):
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 128, qparams=None, symmetric: bool = False
                    ) -> "W4A16Linear":
-        """qparams: (scale, zero) [N, K/g] of a grid found elsewhere (GPTQ, HQQ's float zero), instead of the
-        weight's range. symmetric: the absmax grid (codes -8..7, zero 0), which the kernel holds as codes 0..15
+        """qparams: (scale, integer zero) [N, K/g] of a grid found elsewhere (GPTQ), instead of the weight's
+        range. symmetric: the absmax grid (codes -8..7, zero 0), which the kernel holds as codes 0..15
         with the weight at code 8 equal to 0."""
         _check_linear(linear, cls.__name__)
         cls.check_shape(linear.in_features, linear.out_features, group_size)

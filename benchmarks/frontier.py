@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pruning import measured, wait_quiet  # the fresh-process runner and the quiet flag of the pruning benchmark
+from pruning import measured, wait_quiet, write_calibration  # shared with the pruning benchmark
 
 err = Console(stderr=True)
 FRONTIER_PYTHON = "/work/venvs/frontier/bin/python"  # auto-round 0.16.1, hqq 0.2.8
@@ -98,20 +98,12 @@ def format_bits(model: str, group_size: int, zero_point: bool) -> float:
 
 class Frontier:
     def __init__(self, model: str, args):
-        from safetensors.torch import save_file
-
-        from leanlm.eval.datasets import calibration_samples, load_text
         from leanlm.fetch import cache_dir
-        from leanlm.models.loading import load
 
         self.model, self.args = model, args
         self.root = cache_dir() / "bench-frontier" / model / f"n{args.samples}x{args.seq_len}"
         self.calibration = self.root / "calibration.safetensors"
-        if not self.calibration.exists():
-            self.root.mkdir(parents=True, exist_ok=True)
-            _, tok = load(model, progress=False)
-            ids = calibration_samples(tok.encode(load_text(None, split="calibration")), args.samples, args.seq_len)
-            save_file({"input_ids": ids.contiguous()}, str(self.calibration))
+        write_calibration(model, args.samples, args.seq_len, self.calibration)
 
     def leanlm(self, method: str, options: dict) -> tuple[Path, dict]:
         options = {"group_size": 128, **options, **({"iters": self.args.iters} if method == "autoround" else {})}

@@ -96,6 +96,22 @@ def wait_quiet() -> None:
         time.sleep(10)
 
 
+def write_calibration(model: str, samples: int, seq_len: int, path: Path) -> None:
+    """`samples` windows of `seq_len` tokens of the built-in calibration split (seed 0: the windows `leanlm prune`
+    and `leanlm quantize` take with --samples --seq-len) as `input_ids` in a safetensors file, unless it exists."""
+    from safetensors.torch import save_file
+
+    from leanlm.eval.datasets import calibration_samples, load_text
+    from leanlm.models.loading import load
+
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _, tok = load(model, progress=False)
+    ids = calibration_samples(tok.encode(load_text(None, split="calibration")), samples, seq_len)
+    save_file({"input_ids": ids.contiguous()}, str(path))
+
+
 class Bench:
     """One model's variants, made once, in the folder of its calibration setting."""
 
@@ -105,20 +121,7 @@ class Bench:
         self.model, self.args = model, args
         self.root = cache_dir() / "bench-prune" / model / f"n{args.samples}x{args.seq_len}"
         self.calibration = self.root / "calibration.safetensors"
-        if not self.calibration.exists():
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._write_calibration()
-
-    def _write_calibration(self) -> None:
-        from safetensors.torch import save_file
-
-        from leanlm.models.loading import load
-        from leanlm.eval.datasets import calibration_samples, load_text
-
-        _, tok = load(self.model, progress=False)
-        ids = calibration_samples(tok.encode(load_text(None, split="calibration")), self.args.samples,
-                                  self.args.seq_len)  # the windows `leanlm prune --samples --seq-len` takes
-        save_file({"input_ids": ids.contiguous()}, str(self.calibration))
+        write_calibration(model, args.samples, args.seq_len, self.calibration)
 
     def leanlm(self, method: str, options: dict, tag: str) -> tuple[Path, dict]:
         out = self.root / f"{method}-{tag}"

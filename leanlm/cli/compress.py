@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from leanlm import pipeline
+from rich.progress import Progress
+
 from leanlm.cli.common import Compact, DType, Model, _fail, _recipe_alone, app, err, out, recipe_progress
 from leanlm.compress.quant.export import export as write
 from leanlm.fetch import atomic_dir
@@ -82,14 +84,26 @@ def export(
     round_offsets: Annotated[bool, typer.Option(help="gguf: write int4 groups whose Q4_1 offset float16 cannot "
                                                      "hold exactly with that offset rounded (codes and scales stay "
                                                      "exact); without it such a model is refused")] = False,
+    type: Annotated[Optional[str], typer.Option("--type", help="gguf: quantize a float model to one of llama.cpp's "
+                                                               "k-quant mixtures: Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K")] = None,
+    imatrix: Annotated[bool, typer.Option(help="gguf --type: weigh each weight by an importance matrix (each "
+                                               "input's mean square over the calibration windows, as llama-imatrix "
+                                               "collects it)")] = False,
+    data: Annotated[Optional[Path], typer.Option(help="--imatrix: calibration text file or folder (default: "
+                                                      "built-in calibration split)")] = None,
+    samples: Annotated[int, typer.Option(help="--imatrix: calibration windows")] = 128,
+    seq_len: Annotated[int, typer.Option(help="--imatrix: tokens per calibration window")] = 512,
 ) -> None:
     """Write MODEL for another runtime: a quantized model in the compressed-tensors layout that vLLM and
     transformers load (w4a16, w8a16, w8a8 and fp8 layers), or any model as one GGUF file for llama.cpp (16-bit
-    weights as they are, w8a16 as Q8_0, w4a16 as Q4_1). The integer codes are kept as they are."""
+    weights as they are, w8a16 as Q8_0, w4a16 as Q4_1; the integer codes are kept as they are), or a float model
+    as a k-quant GGUF (--type Q4_K_M, optionally --imatrix)."""
     if format not in ("compressed-tensors", "gguf"):
         _fail(f"--format must be compressed-tensors or gguf, got {format!r}")
     if format == "gguf":
-        return _export_gguf(str(model), output, round_offsets)
+        return _export_gguf(str(model), output, round_offsets, type, imatrix, data, samples, seq_len)
+    if type or imatrix:
+        _fail("--type and --imatrix are for --format gguf")
     if not is_quantized(model):
         _fail(f"{model} is not a directory written by `leanlm quantize`")
     if output.exists():
@@ -102,22 +116,46 @@ def export(
     out.print(f"{model} -> {output} (compressed-tensors: {groups} layers)")
 
 
-def _export_gguf(model: str, output: Path, round_offsets: bool) -> None:
+def _export_gguf(model: str, output: Path, round_offsets: bool, mixture: str | None, imatrix: bool,
+                 data: Path | None, samples: int, seq_len: int) -> None:
     from leanlm.compress.quant.gguf_export import export_gguf  # the gguf package: only --format gguf needs it
+    from leanlm.compress.quant.kquants import MIXTURES
 
     if output.exists():
         _fail(f"{output} already exists; choose a new file name")
+    if mixture is not None and mixture not in MIXTURES:
+        _fail(f"--type must be one of {', '.join(MIXTURES)}, got {mixture!r}")
+    if imatrix and mixture is None:
+        _fail("--imatrix weighs a k-quant's rounding: give --type too (e.g. --type Q4_K_M)")
     source = resolve(model)
     if is_quantized(source):
         dtype = json.loads((source / RECORD).read_text())["dtype"]  # the 16-bit parts as they were saved
     else:  # a float model's own 16-bit dtype; float32 is written as float16, as llama.cpp's converter does
         config = json.loads((source / "config.json").read_text())
         dtype = "bfloat16" if config.get("torch_dtype", config.get("dtype")) == "bfloat16" else "float16"
-    written = export_gguf(load_model(source, dtype), source, output, round_offsets)
+    net = load_model(source, dtype)
+    matrix = _importance(net, source, data, samples, seq_len) if imatrix else None
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(f"{mixture or 'GGUF'}: tensors", total=None)
+        written = export_gguf(net, source, output, round_offsets, mixture, matrix,
+                              progress=lambda: bar.advance(task))
     types = ", ".join(f"{n} {t}" for t, n in sorted(written.types.items()))
     rounded = (f"; {written.rounded_offsets} of {written.offsets} int4 group offsets rounded to float16"
                if written.rounded_offsets else "")
     out.print(f"{model} -> {output} (GGUF: {types} tensors{rounded})", soft_wrap=True)
+
+
+def _importance(net, source: Path, data: Path | None, samples: int, seq_len: int) -> dict:
+    """The importance matrix over `samples` calibration windows of the text (see gguf_export.importance_matrix)"""
+    from leanlm.compress.quant.gguf_export import importance_matrix
+    from leanlm.eval.datasets import calibration_samples, load_text
+    from leanlm.tokenizer import Tokenizer
+
+    windows = calibration_samples(Tokenizer(source).encode(load_text(data, split="calibration")), samples,
+                                  min(seq_len, net.config.max_position))
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("importance matrix: windows", total=samples)
+        return importance_matrix(net, windows, progress=lambda n: bar.advance(task, n))
 
 
 @app.command("compress-prompt")

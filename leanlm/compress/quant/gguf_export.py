@@ -12,6 +12,10 @@ with; a layer that does not is refused. float16 holds every bf16 scale of a norm
 m can need 12 significant bits, one more than float16 has (1.6% of the groups of SmolLM2-135M at RTN int4, g32 or
 g128). `round_offsets` accepts those offsets rounded to float16 (codes and scales still exact) and counts them.
 W8A8, LLM.int8() and fp8 layers have no GGUF type and are refused.
+
+A float model can instead be written as one of llama.cpp's k-quant mixtures (Q4_K_M and the rest: kquants.py),
+quantized here from its float weights, optionally weighted by an importance matrix that `importance_matrix`
+collects from calibration windows as llama-imatrix does.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, LlamaFileType, TokenType
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
+from leanlm.compress.quant import kquants
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import SCHEMES, W4A16Linear, W8A16Linear, W8A16Sparse24Linear, unpack_int4
 from leanlm.models.gguf import gguf_name, permute_rotary
+from leanlm.models.layers import Linear
 from leanlm.models.loading import to_hf_names
 from leanlm.tokenizer import Tokenizer
 
@@ -38,6 +44,9 @@ ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type ->
 QUANTIZED = (Q.Q8_0, Q.Q4_1, Q.Q4_0)
 FILE_TYPES = {Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16, Q.Q8_0: LlamaFileType.MOSTLY_Q8_0,
               Q.Q4_1: LlamaFileType.MOSTLY_Q4_1, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0}
+MIXTURE_FILE_TYPES = {"Q2_K": LlamaFileType.MOSTLY_Q2_K, "Q3_K_M": LlamaFileType.MOSTLY_Q3_K_M,
+                      "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M, "Q5_K_M": LlamaFileType.MOSTLY_Q5_K_M,
+                      "Q6_K": LlamaFileType.MOSTLY_Q6_K}
 
 
 @dataclass
@@ -138,10 +147,16 @@ def _array(t: torch.Tensor, qtype: Q) -> np.ndarray:
     return t.contiguous().numpy()  # blocks already
 
 
-def gguf_tensors(model, round_offsets: bool = False) -> tuple[dict[str, tuple[Q, np.ndarray]], Written]:
-    """GGUF name -> (type, array) for every weight of `model`, Llama's Q/K rows permuted for llama.cpp."""
+def gguf_tensors(model, round_offsets: bool = False, mixture: str | None = None,
+                 imatrix: dict[str, torch.Tensor] | None = None, progress=None) -> tuple[dict[str, tuple[Q, np.ndarray]], Written]:
+    """GGUF name -> (type, array) for every weight of `model`, Llama's Q/K rows permuted for llama.cpp; with a
+    k-quant `mixture`, every float weight matrix quantized to its type in that mixture (with `imatrix`, GGUF name ->
+    the mean squared input of each column, where it has one). progress() is called after each tensor."""
     cfg = model.config
-    layers = {name: m for name, m in model.named_modules() if type(m) in SCHEMES.values()}
+    if mixture and layers_of(model):
+        raise LeanLMError(f"a k-quant GGUF ({mixture}) is made from a float model's weights; this model has "
+                          f"{len(layers_of(model))} layers quantized by leanlm already (export it without --type)")
+    layers = layers_of(model)
     groups: dict[Q, dict[str, torch.Tensor]] = {}  # type -> {our name: rows}: to_hf_names splits fused rows
     for name, t in model.state_dict().items():
         owner = next((n for n in layers if name.startswith(n + ".")), None)
@@ -156,14 +171,64 @@ def gguf_tensors(model, round_offsets: bool = False) -> tuple[dict[str, tuple[Q,
         written.rounded_offsets += rounded
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     out = {}
-    for qtype, tensors in groups.items():
+    for stored, tensors in groups.items():
         for hf, t in to_hf_names(tensors, cfg).items():
             name = gguf_name(hf)
             if ARCH[cfg.model_type] == "llama" and name.split(".")[-2] in heads:
                 t = permute_rotary(t, heads[name.split(".")[-2]])
-            out[name] = (qtype, _array(t, qtype))
+            if mixture and stored in (Q.BF16, Q.F16):  # a float weight matrix
+                qtype = kquants.tensor_type(mixture, name, t.shape[1], cfg.num_layers,
+                                            cfg.num_heads // cfg.num_kv_heads, model.lm_head_is_embedding)
+                blocks, back = kquants.quantize(t, qtype, (imatrix or {}).get(name))
+                _check(blocks, qtype, back, f"{name}: {qtype.name} blocks that do not dequantize as computed")
+                out[name] = (qtype, blocks)
+            else:
+                qtype = stored
+                out[name] = (qtype, _array(t, qtype))
             written.types[qtype.name] = written.types.get(qtype.name, 0) + 1
+            if progress:
+                progress()
     return out, written
+
+
+def layers_of(model) -> dict[str, torch.nn.Module]:
+    """The layers leanlm has quantized, by name"""
+    return {name: m for name, m in model.named_modules() if type(m) in SCHEMES.values()}
+
+
+@torch.no_grad()
+def importance_matrix(model, samples: torch.Tensor, batch_size: int = 2, progress=None) -> dict[str, torch.Tensor]:
+    """llama-imatrix's importance matrix from calibration windows `samples` [n, T]: for each weight matrix (GGUF
+    name), the mean over every token of the square of each input column  # -> {name: [K] float32}.
+    The output projection's inputs are counted under token_embd.weight when the two share weights."""
+    cfg = model.config
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    sums = {name: torch.zeros(m.in_features, dtype=torch.float64) for name, m in linears.items()}
+
+    def hook(name):
+        def add(module, args, output):
+            sums[name] += args[0].reshape(-1, args[0].shape[-1]).double().square().sum(0)
+        return add
+
+    hooks = [m.register_forward_hook(hook(name)) for name, m in linears.items()]
+    try:
+        n, T = samples.shape
+        positions = torch.arange(T)[None]
+        for i in range(0, n, batch_size):
+            batch = samples[i:i + batch_size].to(model.device)
+            model(batch, positions.expand(batch.shape[0], T).to(model.device))
+            if progress:
+                progress(batch.shape[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    tied = model.lm_head_is_embedding
+    matrix = {}
+    for name, m in linears.items():
+        mean = (sums[name] / samples.numel()).float()
+        for hf in to_hf_names({f"{name}.weight": m.weight}, cfg):
+            matrix["token_embd.weight" if tied and hf == "lm_head.weight" else gguf_name(hf)] = mean
+    return matrix
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------------
@@ -230,14 +295,16 @@ def tokenizer_metadata(source: Path, vocab_size: int) -> dict:
 
 # ---- the file ----------------------------------------------------------------------------------------------------
 
-def export_gguf(model, source: Path, out: Path, round_offsets: bool = False) -> Written:
+def export_gguf(model, source: Path, out: Path, round_offsets: bool = False, mixture: str | None = None,
+                imatrix: dict[str, torch.Tensor] | None = None, progress=None) -> Written:
     """Write `model` (loaded from the directory `source`, whose tokenizer it takes) to the GGUF file `out`, atomically
-    (a failed export leaves nothing)."""
+    (a failed export leaves nothing); with a k-quant `mixture` (and `imatrix`), see gguf_tensors."""
     cfg = model.config
-    tensors, written = gguf_tensors(model, round_offsets)
-    vocab = tokenizer_metadata(source, cfg.vocab_size)
+    vocab = tokenizer_metadata(source, cfg.vocab_size)  # before the quantization: a tokenizer we cannot write fails fast
+    tensors, written = gguf_tensors(model, round_offsets, mixture, imatrix, progress)
     weights = [q for name, (q, _) in tensors.items() if name.endswith(".weight") and q != Q.F32]
-    file_type = FILE_TYPES.get(max(set(weights), key=weights.count), LlamaFileType.ALL_F32)
+    file_type = MIXTURE_FILE_TYPES[mixture] if mixture else \
+        FILE_TYPES.get(max(set(weights), key=weights.count), LlamaFileType.ALL_F32)
     partial = Path(out).with_name(Path(out).name + ".partial")
     writer = GGUFWriter(partial, ARCH[cfg.model_type])
     try:

@@ -100,7 +100,8 @@ def hf_config_dict(config: ModelConfig, base: dict) -> dict:
     one entry per remaining layer."""
     out = dict(base, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-               num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim)
+               num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+               tie_word_embeddings=config.tie_embeddings)
     if isinstance(base.get("layer_types"), list):
         out["layer_types"] = base["layer_types"][: config.num_layers]
     if isinstance(base.get("max_window_layers"), int):

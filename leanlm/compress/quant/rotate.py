@@ -1,0 +1,130 @@
+"""Rotate the residual stream (QuaRot, https://arxiv.org/abs/2404.00456): an orthogonal Q folded into the weights
+so that the float model computes the same function while its activations and weights lose their outlier channels.
+
+With every RMSNorm's weight folded into the projections that read it (the norm then only divides by rms, which Q
+keeps), the residual stream x can live as x Q: the embedding becomes E Q, every projection reading the stream
+(q/k/v, gate/up, lm_head) W Q, every one writing to it (o_proj, down_proj) Q^T W (and its bias b Q). An outlier
+channel of x is spread over all channels of x Q, so per-token int8 activations (W8A8) and per-channel or group
+weights lose less. Q is a Hadamard matrix with random signs, H diag(+-1) / sqrt(d), where one of order d is
+known here (Sylvester 2^k times Paley's 1 + q for primes q = 3 mod 4: 576 = 72 x 8, 896 = 224 x 4), else a random
+orthogonal matrix (QR of a Gaussian). The rotation is offline only (nothing changes at run time): the rotated model
+is a plain Llama/Qwen2 model that exports and runs anywhere. A model whose lm_head shares the embedding's weights
+gets its own lm_head (the final norm folds into it, not into the embedding): vocab x hidden more weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from leanlm.compress.registry import register
+from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import SCHEMES
+
+
+def _paley(q: int) -> torch.Tensor:
+    """A Hadamard matrix of order q + 1 for a prime q = 3 (mod 4) (Paley's first construction)  # [q+1, q+1]"""
+    squares = {(i * i) % q for i in range(1, q)}
+    idx = torch.arange(q)
+    diff = (idx[None, :] - idx[:, None]) % q
+    chi = torch.zeros(q, q, dtype=torch.float64)
+    chi[diff > 0] = -1.0
+    chi[torch.isin(diff, torch.tensor(sorted(squares)))] = 1.0
+    S = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    S[0, 1:], S[1:, 0], S[1:, 1:] = 1.0, -1.0, chi
+    return S + torch.eye(q + 1, dtype=torch.float64)
+
+
+def _prime(n: int) -> bool:
+    return n > 1 and all(n % p for p in range(2, int(n ** 0.5) + 1))
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order n (entries +-1, H H^T = n I) when n = m 2^k with m = 1, 2 or a Paley order, else
+    None  # [n, n] float64"""
+    for m in range(1, n + 1):
+        if n % m or (n // m) & (n // m - 1):  # n / m must be a power of two
+            continue
+        if m in (1, 2):
+            H = torch.ones(1, 1, dtype=torch.float64)
+        elif m % 4 == 0 and _prime(m - 1) and (m - 1) % 4 == 3:
+            H = _paley(m - 1)
+        else:
+            continue
+        H2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        while H.shape[0] < n:
+            H = torch.kron(H, H2)
+        return H
+    return None
+
+
+def rotation(n: int, seed: int = 0) -> torch.Tensor:
+    """The orthogonal Q of order n: a Hadamard matrix with random column signs over sqrt(n), or a random orthogonal
+    matrix where no Hadamard matrix of order n is known here  # [n, n] float64"""
+    g = torch.Generator().manual_seed(seed)
+    H = hadamard(n)
+    if H is None:
+        Q, R = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+        return Q * torch.sign(torch.diagonal(R))  # a uniformly random orthogonal matrix
+    signs = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
+    return H * signs / n ** 0.5
+
+
+def _set(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data = value.to(param.dtype).contiguous()
+
+
+@torch.no_grad()
+def rotate_model(model: nn.Module, seed: int = 0, progress=None) -> torch.Tensor:
+    """Fold the norms and rotate the residual stream of a float Transformer in place (see the module docstring);
+    the products are computed in float64 and rounded once to the weights' dtype; progress(name) after each
+    projection. Returns Q [d, d] float64."""
+    if any(type(m) in SCHEMES.values() for m in model.modules()):
+        raise LeanLMError("rotate works on float weights: put it before the quantization step in the recipe")
+    d = model.config.hidden_size
+    Q = rotation(d, seed)
+    if model.lm_head_is_embedding:  # the final norm folds into the lm_head alone, so it needs its own weights
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+        model.config = replace(model.config, tie_embeddings=False)
+
+    def reads(linear: nn.Module, norm: nn.Module) -> None:  # W diag(g) Q
+        _set(linear.weight, linear.weight.double() * norm.weight.double() @ Q)
+
+    def writes(linear: nn.Module) -> None:  # Q^T W, b Q
+        _set(linear.weight, Q.T @ linear.weight.double())
+        if linear.bias is not None:
+            _set(linear.bias, linear.bias.double() @ Q)
+
+    _set(model.embed_tokens.weight, model.embed_tokens.weight.double() @ Q)
+    for i, block in enumerate(model.layers):
+        reads(block.self_attn.qkv_proj, block.input_layernorm)
+        reads(block.mlp.gate_up_proj, block.post_attention_layernorm)
+        writes(block.self_attn.o_proj)
+        writes(block.mlp.down_proj)
+        for norm in (block.input_layernorm, block.post_attention_layernorm):
+            norm.weight.fill_(1.0)
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            if progress:
+                progress(f"layers.{i}.{name}")
+    reads(model.lm_head, model.norm)
+    model.norm.weight.fill_(1.0)
+    return Q
+
+
+@dataclass(frozen=True)
+class Rotate:
+    """Rotate the residual stream (QuaRot's offline rotation, folded into the weights) for the quantization step
+    after it, e.g. `- {method: rotate}` then `- {method: rtn, bits: 8, act_bits: 8}`."""
+
+    name: ClassVar[str] = "rotate"
+    kind: ClassVar[str] = "quantize"
+    seed: int = 0  # the random signs (or the random orthogonal matrix)
+
+
+@register(Rotate)
+def rotate(model, config: Rotate, progress=None, samples=None) -> dict[str, dict]:
+    rotate_model(model, config.seed, progress)
+    return {}  # the weights change, no layer's kind: the saved recipe names the step

@@ -1,0 +1,81 @@
+"""Rotation: Q is orthogonal (a true Hadamard matrix where one is known), the rotated float model computes the same
+function, an outlier channel is spread, and a rotated then W8A8 model saves, loads and runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from leanlm import pipeline
+from leanlm.compress.quant.rotate import hadamard, rotate_model, rotation
+from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W8A16Linear
+from leanlm.models.loading import load_model
+from tests.compress.test_gguf_export import logits, source  # noqa: F401 (the fixture)
+
+
+@pytest.mark.parametrize("n", [12, 64, 576, 896, 1536, 4864])
+def test_hadamard_orders_of_the_zoo_models(n):
+    H = hadamard(n)
+    assert set(H.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(H @ H.T, n * torch.eye(n, dtype=torch.float64))
+
+
+def test_rotation_is_orthogonal_with_or_without_a_hadamard_matrix():
+    assert hadamard(100) is None  # 100 = 4 x 25: no construction here, a random orthogonal matrix instead
+    for n in (100, 576):
+        Q = rotation(n, seed=3)
+        torch.testing.assert_close(Q @ Q.T, torch.eye(n, dtype=torch.float64))
+    assert not torch.equal(rotation(64, seed=0), rotation(64, seed=1))  # the seed draws the signs
+
+
+def test_an_outlier_channel_is_spread_over_all_channels():
+    x = torch.randn(8, 576, dtype=torch.float64)
+    x[:, 7] = 100.0  # one massive channel, as LLM residual streams have
+    y = x @ rotation(576)
+    ratio = lambda t: (t.abs().amax(-1) / t.square().mean(-1).sqrt()).max()  # noqa: E731
+    assert ratio(x) > 20 and ratio(y) < 5
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_rotated_model_computes_the_same_function(source):  # noqa: F811
+    arch, path = source
+    model = load_model(path, torch.float32)
+    with torch.no_grad():
+        for block in model.layers:  # norms that are not all ones, so folding them matters
+            block.input_layernorm.weight.uniform_(0.5, 1.5)
+            block.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+        model.norm.weight.uniform_(0.5, 1.5)
+    ref = logits(model)
+    tied = model.lm_head_is_embedding
+    rotate_model(model)
+    torch.testing.assert_close(logits(model), ref, atol=1e-4, rtol=1e-4)
+    assert not model.lm_head_is_embedding and not model.config.tie_embeddings  # untied when it was tied
+    assert all(torch.equal(b.input_layernorm.weight, torch.ones_like(b.input_layernorm.weight))
+               for b in model.layers)
+    if tied:
+        assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+def test_rotate_then_w8a8_saves_and_loads(source, tmp_path):  # noqa: F811
+    arch, path = source
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("- method: rotate\n- {method: rtn, bits: 8, act_bits: 8}\n")
+    built = pipeline.quantize(str(path), None, out=tmp_path / "out", recipe=recipe, dtype="float32")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert [s["method"] for s in json.loads((tmp_path / "out" / "quantization.json").read_text())["recipe"]] == \
+        ["rotate", "rtn"]
+    again = load_model(tmp_path / "out", torch.float32)
+    torch.testing.assert_close(logits(again), logits(built.model))
+    ref = logits(load_model(path, torch.float32))
+    assert (logits(again) - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_rotate_refuses_quantized_layers(source):  # noqa: F811
+    _, path = source
+    model = load_model(path, torch.float32)
+    model.layers[0].mlp.down_proj = W8A16Linear.from_float(model.layers[0].mlp.down_proj)
+    with pytest.raises(LeanLMError, match="before the quantization step"):
+        rotate_model(model)

@@ -89,6 +89,8 @@ def export(
     imatrix: Annotated[bool, typer.Option(help="gguf --type: weigh each weight by an importance matrix (each "
                                                "input's mean square over the calibration windows, as llama-imatrix "
                                                "collects it)")] = False,
+    imatrix_file: Annotated[Optional[Path], typer.Option(help="gguf --type: weigh by this importance matrix, a "
+                                                              "GGUF file written by llama.cpp's llama-imatrix")] = None,
     data: Annotated[Optional[Path], typer.Option(help="--imatrix: calibration text file or folder (default: "
                                                       "built-in calibration split)")] = None,
     samples: Annotated[int, typer.Option(help="--imatrix: calibration windows")] = 128,
@@ -101,9 +103,9 @@ def export(
     if format not in ("compressed-tensors", "gguf"):
         _fail(f"--format must be compressed-tensors or gguf, got {format!r}")
     if format == "gguf":
-        return _export_gguf(str(model), output, round_offsets, type, imatrix, data, samples, seq_len)
-    if type or imatrix:
-        _fail("--type and --imatrix are for --format gguf")
+        return _export_gguf(str(model), output, round_offsets, type, imatrix, imatrix_file, data, samples, seq_len)
+    if type or imatrix or imatrix_file:
+        _fail("--type, --imatrix and --imatrix-file are for --format gguf")
     if not is_quantized(model):
         _fail(f"{model} is not a directory written by `leanlm quantize`")
     if output.exists():
@@ -117,16 +119,19 @@ def export(
 
 
 def _export_gguf(model: str, output: Path, round_offsets: bool, mixture: str | None, imatrix: bool,
-                 data: Path | None, samples: int, seq_len: int) -> None:
-    from leanlm.compress.quant.gguf_export import export_gguf  # the gguf package: only --format gguf needs it
+                 imatrix_file: Path | None, data: Path | None, samples: int, seq_len: int) -> None:
+    from leanlm.compress.quant.gguf_export import export_gguf, read_imatrix  # the gguf package: only here
     from leanlm.compress.quant.kquants import MIXTURES
 
     if output.exists():
         _fail(f"{output} already exists; choose a new file name")
     if mixture is not None and mixture not in MIXTURES:
         _fail(f"--type must be one of {', '.join(MIXTURES)}, got {mixture!r}")
-    if imatrix and mixture is None:
-        _fail("--imatrix weighs a k-quant's rounding: give --type too (e.g. --type Q4_K_M)")
+    if (imatrix or imatrix_file) and mixture is None:
+        _fail("an importance matrix weighs a k-quant's rounding: give --type too (e.g. --type Q4_K_M)")
+    if imatrix and imatrix_file:
+        _fail("--imatrix collects an importance matrix, --imatrix-file reads one: give one of them")
+    given = read_imatrix(imatrix_file) if imatrix_file else None  # a bad file fails before the model loads
     source = resolve(model)
     if is_quantized(source):
         dtype = json.loads((source / RECORD).read_text())["dtype"]  # the 16-bit parts as they were saved
@@ -134,7 +139,7 @@ def _export_gguf(model: str, output: Path, round_offsets: bool, mixture: str | N
         config = json.loads((source / "config.json").read_text())
         dtype = "bfloat16" if config.get("torch_dtype", config.get("dtype")) == "bfloat16" else "float16"
     net = load_model(source, dtype)
-    matrix = _importance(net, source, data, samples, seq_len) if imatrix else None
+    matrix = _importance(net, source, data, samples, seq_len) if imatrix else given
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task(f"{mixture or 'GGUF'}: tensors", total=None)
         written = export_gguf(net, source, output, round_offsets, mixture, matrix,

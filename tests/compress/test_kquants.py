@@ -165,4 +165,32 @@ def test_cli_export_k_quant(source, tmp_path):  # noqa: F811
     assert r.returncode == 2 and "Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K" in r.stderr and "Traceback" not in r.stderr
     r = leanlm("export", path, "--format", "gguf", "--imatrix", "-o", tmp_path / "n.gguf")
     assert r.returncode == 2 and "give --type too" in r.stderr
+    r = leanlm("export", path, "--format", "gguf", "--type", "Q4_K_M", "--imatrix-file", tmp_path / "m.gguf",
+               "-o", tmp_path / "n.gguf")
+    assert r.returncode == 2 and "not an importance matrix" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "n.gguf").exists()
+
+
+def test_an_importance_matrix_from_llama_imatrix_is_read(source, tmp_path):  # noqa: F811
+    from gguf import GGUFWriter
+
+    from leanlm.compress.quant.gguf_export import read_imatrix
+
+    _, path = source
+    model = load_model(path, torch.bfloat16)
+    samples = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = importance_matrix(model, samples)
+    writer = GGUFWriter(tmp_path / "imatrix.gguf", "")  # llama-imatrix's layout: sums of squares and token counts
+    writer.add_type("imatrix")
+    for name, mean in ours.items():
+        writer.add_tensor(f"{name}.in_sum2", (mean * 32).numpy())
+        writer.add_tensor(f"{name}.counts", np.array([32.0], dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    back = read_imatrix(tmp_path / "imatrix.gguf")
+    assert back.keys() == ours.keys() and all(torch.allclose(back[k], ours[k]) for k in ours)
+    with pytest.raises(LeanLMError, match="made for another model"):
+        export_gguf(model, path, tmp_path / "x.gguf", mixture="Q4_K_M",
+                    imatrix={"blk.0.attn_q.weight": torch.ones(3)})
+    export_gguf(model, path, tmp_path / "m.gguf")  # a model's GGUF, not an importance matrix
+    with pytest.raises(LeanLMError, match="not an importance matrix"):
+        read_imatrix(tmp_path / "m.gguf")

@@ -179,7 +179,11 @@ def gguf_tensors(model, round_offsets: bool = False, mixture: str | None = None,
             if mixture and stored in (Q.BF16, Q.F16):  # a float weight matrix
                 qtype = kquants.tensor_type(mixture, name, t.shape[1], cfg.num_layers,
                                             cfg.num_heads // cfg.num_kv_heads, model.lm_head_is_embedding)
-                blocks, back = kquants.quantize(t, qtype, (imatrix or {}).get(name))
+                weights = (imatrix or {}).get(name)
+                if weights is not None and weights.shape != (t.shape[1],):
+                    raise LeanLMError(f"the importance matrix has {weights.numel()} values for {name}, which has "
+                                      f"{t.shape[1]} inputs: it was made for another model")
+                blocks, back = kquants.quantize(t, qtype, weights)
                 _check(blocks, qtype, back, f"{name}: {qtype.name} blocks that do not dequantize as computed")
                 out[name] = (qtype, blocks)
             else:
@@ -229,6 +233,21 @@ def importance_matrix(model, samples: torch.Tensor, batch_size: int = 2, progres
         for hf in to_hf_names({f"{name}.weight": m.weight}, cfg):
             matrix["token_embd.weight" if tied and hf == "lm_head.weight" else gguf_name(hf)] = mean
     return matrix
+
+
+def read_imatrix(path: Path) -> dict[str, torch.Tensor]:
+    """The importance matrix in a GGUF file that llama-imatrix wrote: for each weight, its `NAME.in_sum2` (the sum
+    of each input's square) over `NAME.counts` (the tokens seen)  # -> {GGUF name: [K] float32}"""
+    from leanlm.models.gguf import open_gguf
+
+    reader = open_gguf(path)
+    kind = reader.fields.get("general.type")
+    if kind is None or bytes(kind.parts[-1]).decode() != "imatrix":
+        raise LeanLMError(f"{path}: not an importance matrix written by llama-imatrix (general.type is not "
+                          "'imatrix'; its older .dat format is not read)")
+    tensors = {t.name: torch.from_numpy(np.array(t.data, dtype=np.float32)) for t in reader.tensors}
+    return {name.removesuffix(".in_sum2"): sums / tensors[name.removesuffix("in_sum2") + "counts"].clamp_min(1)
+            for name, sums in tensors.items() if name.endswith(".in_sum2")}
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------------

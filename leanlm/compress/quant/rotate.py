@@ -10,6 +10,8 @@ known here (Sylvester 2^k times Paley's 1 + q for primes q = 3 mod 4: 576 = 72 x
 orthogonal matrix (QR of a Gaussian). The rotation is offline only (nothing changes at run time): the rotated model
 is a plain Llama/Qwen2 model that exports and runs anywhere. A model whose lm_head shares the embedding's weights
 gets its own lm_head (the final norm folds into it, not into the embedding): vocab x hidden more weights.
+Each head's values are rotated too (QuaRot's offline head rotation): v_proj's rows of a KV head by H_D^T, o_proj's
+columns of every query head reading it by H_D, so o_proj's input has no outlier channel within a head either.
 """
 
 from __future__ import annotations
@@ -99,7 +101,10 @@ def rotate_model(model: nn.Module, seed: int = 0, progress=None) -> torch.Tensor
             _set(linear.bias, linear.bias.double() @ Q)
 
     _set(model.embed_tokens.weight, model.embed_tokens.weight.double() @ Q)
+    D, heads, kv = model.config.head_dim, model.config.num_heads, model.config.num_kv_heads
+    Qh = rotation(D, seed + 1)
     for i, block in enumerate(model.layers):
+        rotate_values(block.self_attn.qkv_proj, block.self_attn.o_proj, Qh, heads, kv)
         reads(block.self_attn.qkv_proj, block.input_layernorm)
         reads(block.mlp.gate_up_proj, block.post_attention_layernorm)
         writes(block.self_attn.o_proj)
@@ -112,6 +117,21 @@ def rotate_model(model: nn.Module, seed: int = 0, progress=None) -> torch.Tensor
     reads(model.lm_head, model.norm)
     model.norm.weight.fill_(1.0)
     return Q
+
+
+def rotate_values(qkv: nn.Module, o_proj: nn.Module, Qh: torch.Tensor, heads: int, kv: int) -> None:
+    """Each KV head's values v_h -> v_h Qh (its rows of qkv: Qh^T W, bias b Qh) and o_proj's columns of each query
+    head W -> W Qh: softmax(.) v_h Qh Qh^T W^T is what it was  # Qh [D, D]"""
+    D = Qh.shape[0]
+    w = qkv.weight.double()
+    start = (heads + kv) * D  # the values' rows come after the queries' and keys'
+    v = w[start:].reshape(kv, D, -1)
+    _set(qkv.weight, torch.cat([w[:start], (Qh.T @ v).reshape(kv * D, -1)]))
+    if qkv.bias is not None:
+        b = qkv.bias.double()
+        _set(qkv.bias, torch.cat([b[:start], (b[start:].reshape(kv, D) @ Qh).reshape(-1)]))
+    o = o_proj.weight.double().reshape(-1, heads, D)
+    _set(o_proj.weight, (o @ Qh).reshape(o_proj.weight.shape))
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from leanlm import pipeline
 from rich.progress import Progress
 
+from leanlm import pipeline
 from leanlm.cli.common import Compact, DType, Model, _fail, _recipe_alone, app, err, out, recipe_progress
 from leanlm.compress.quant.export import export as write
 from leanlm.fetch import atomic_dir
@@ -85,7 +85,8 @@ def export(
                                                      "hold exactly with that offset rounded (codes and scales stay "
                                                      "exact); without it such a model is refused")] = False,
     type: Annotated[Optional[str], typer.Option("--type", help="gguf: quantize a float model to one of llama.cpp's "
-                                                               "k-quant mixtures: Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K")] = None,
+                                                               "k-quant mixtures: Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, "
+                                                               "Q6_K")] = None,
     imatrix: Annotated[bool, typer.Option(help="gguf --type: weigh each weight by an importance matrix (each "
                                                "input's mean square over the calibration windows, as llama-imatrix "
                                                "collects it)")] = False,

@@ -148,15 +148,16 @@ def _array(t: torch.Tensor, qtype: Q) -> np.ndarray:
 
 
 def gguf_tensors(model, round_offsets: bool = False, mixture: str | None = None,
-                 imatrix: dict[str, torch.Tensor] | None = None, progress=None) -> tuple[dict[str, tuple[Q, np.ndarray]], Written]:
+                 imatrix: dict[str, torch.Tensor] | None = None,
+                 progress=None) -> tuple[dict[str, tuple[Q, np.ndarray]], Written]:
     """GGUF name -> (type, array) for every weight of `model`, Llama's Q/K rows permuted for llama.cpp; with a
     k-quant `mixture`, every float weight matrix quantized to its type in that mixture (with `imatrix`, GGUF name ->
     the mean squared input of each column, where it has one). progress() is called after each tensor."""
     cfg = model.config
-    if mixture and layers_of(model):
-        raise LeanLMError(f"a k-quant GGUF ({mixture}) is made from a float model's weights; this model has "
-                          f"{len(layers_of(model))} layers quantized by leanlm already (export it without --type)")
     layers = layers_of(model)
+    if mixture and layers:
+        raise LeanLMError(f"a k-quant GGUF ({mixture}) is made from a float model's weights; this model has "
+                          f"{len(layers)} layers quantized by leanlm already (export it without --type)")
     groups: dict[Q, dict[str, torch.Tensor]] = {}  # type -> {our name: rows}: to_hf_names splits fused rows
     for name, t in model.state_dict().items():
         owner = next((n for n in layers if name.startswith(n + ".")), None)
@@ -319,7 +320,7 @@ def export_gguf(model, source: Path, out: Path, round_offsets: bool = False, mix
     """Write `model` (loaded from the directory `source`, whose tokenizer it takes) to the GGUF file `out`, atomically
     (a failed export leaves nothing); with a k-quant `mixture` (and `imatrix`), see gguf_tensors."""
     cfg = model.config
-    vocab = tokenizer_metadata(source, cfg.vocab_size)  # before the quantization: a tokenizer we cannot write fails fast
+    vocab = tokenizer_metadata(source, cfg.vocab_size)  # first: a tokenizer we cannot write fails before any work
     tensors, written = gguf_tensors(model, round_offsets, mixture, imatrix, progress)
     weights = [q for name, (q, _) in tensors.items() if name.endswith(".weight") and q != Q.F32]
     file_type = MIXTURE_FILE_TYPES[mixture] if mixture else \

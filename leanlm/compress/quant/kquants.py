@@ -228,7 +228,7 @@ def q5_k(x: torch.Tensor, qw: torch.Tensor):
     return [_f16(d), _f16(dmin), _u8(_pack_scales_k4(ls, lm)), _u8(qh), _u8(_pack_bits(q % 16, 4, 32))], back
 
 
-def _k_signed(x: torch.Tensor, qw: torch.Tensor, nmax: int, w: torch.Tensor, scales):
+def _k_signed(x: torch.Tensor, nmax: int, w: torch.Tensor, scales):
     """The symmetric k-quants (Q3_K, Q6_K) over sub-blocks of 16: `scales(s, sw)` quantizes the sub-block scales
     [S, 16] to (d [S], integers [S, 16]); codes in [-nmax, nmax - 1]"""
     S = x.shape[0]
@@ -242,7 +242,7 @@ def _k_signed(x: torch.Tensor, qw: torch.Tensor, nmax: int, w: torch.Tensor, sca
 
 
 def q3_k(x: torch.Tensor, qw: torch.Tensor):
-    q, d, ls, back = _k_signed(x, qw, 4, _importance(x, qw, 16, 2.0), lambda s, sw: _fit_signed(s, sw, 32))
+    q, d, ls, back = _k_signed(x, 4, _importance(x, qw, 16, 2.0), lambda s, sw: _fit_signed(s, sw, 32))
     u = (q + 4).to(torch.uint8)  # 0..7: the high bit is set where the code is >= 0
     hmask = sum(((u >> 2) & 1).reshape(-1, 8, 32)[:, k] << k for k in range(8))
     L = (ls + 32).to(torch.uint8)  # 16 6-bit scales: low nibbles two per byte, top 2 bits four per byte
@@ -261,7 +261,7 @@ def _int8_scales(s: torch.Tensor, sw: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def q6_k(x: torch.Tensor, qw: torch.Tensor):
     w = qw.reshape(x.shape[0], 16, 16)  # Q6_K weighs by the importance matrix alone, as llama.cpp does
-    q, d, ls, back = _k_signed(x, qw, 32, w, _int8_scales)
+    q, d, ls, back = _k_signed(x, 32, w, _int8_scales)
     u = (q + 32).to(torch.uint8).reshape(-1, 2, 128)  # two halves of 128 codes
     ql = torch.cat([_pack_bits(u[:, h] % 16, 4, 64) for h in range(2)], 1)
     qh = torch.cat([_pack_bits(u[:, h] >> 4, 2, 32) for h in range(2)], 1)

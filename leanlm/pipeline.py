@@ -94,6 +94,12 @@ def calibration(configs: list, tok, data, samples: int, seq_len: int, context: i
     model's `context` are cut to it (the default 512 is more than some models take)."""
     if not any(getattr(c, "needs_data", False) for c in configs):
         return None
+    return calibration_windows(tok, data, samples, seq_len, context, status)
+
+
+def calibration_windows(tok, data, samples: int, seq_len: int, context: int, status=print):
+    """`samples` windows [samples, seq_len] of the calibration text (`data`, or the built-in split), cut to the
+    model's `context` when longer."""
     if seq_len > context:
         status(f"calibration windows of {context} tokens, the model's context window (seq_len {seq_len})")
         seq_len = context

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -25,6 +26,10 @@ Device = Annotated[str, typer.Option(help="cpu or cuda (auto: cuda when present)
 Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: the fastest, found by a short probe)")]
 KVCache = Annotated[str, typer.Option(help="KV cache storage: auto (the model's dtype) or int8 (per token/head: "
                                             "about twice the tokens in the same memory)")]
+CalibrationData = Annotated[Optional[Path], typer.Option(help="calibration text file or folder (default: built-in "
+                                                              "calibration split)")]
+Samples = Annotated[int, typer.Option(help="calibration windows")]
+SeqLen = Annotated[int, typer.Option(help="tokens per calibration window")]
 Compact = Annotated[bool, typer.Option(help="store int8 layers pruned 2:4 compactly (kept values + position masks, "
                                             "0.625 B a weight, scheme w8a16_2:4): 37% less memory, but its kernel "
                                             "decodes slower than dense int8 on Zen 4")]

@@ -12,7 +12,8 @@ import typer
 from rich.progress import Progress
 
 from leanlm import pipeline
-from leanlm.cli.common import Compact, DType, Model, _fail, _recipe_alone, app, err, out, recipe_progress
+from leanlm.cli.common import (CalibrationData, Compact, DType, Model, Samples, SeqLen, _fail, _recipe_alone, app, err,
+                               out, recipe_progress)
 from leanlm.compress.quant.export import export as write
 from leanlm.fetch import atomic_dir
 from leanlm.lowbit.record import RECORD, is_quantized
@@ -50,10 +51,9 @@ def quantize(
                                                             "bits (default 6.0)")] = None,
     lm_head: Annotated[Optional[int], typer.Option(help="also quantize the output projection: 8 or 4 bits, 16 leaves "
                                                        "it (default: 8 with 4-bit weights, else 16)")] = None,
-    data: Annotated[Optional[Path], typer.Option(help="calibration text file or folder (default: built-in "
-                                                      "calibration split)")] = None,
-    samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
-    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
+    data: CalibrationData = None,
+    samples: Samples = 128,
+    seq_len: SeqLen = 512,
     compact: Compact = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
     dtype: DType = "auto",
@@ -92,10 +92,9 @@ def export(
                                                "collects it)")] = False,
     imatrix_file: Annotated[Optional[Path], typer.Option(help="gguf --type: weigh by this importance matrix, a "
                                                               "GGUF file written by llama.cpp's llama-imatrix")] = None,
-    data: Annotated[Optional[Path], typer.Option(help="--imatrix: calibration text file or folder (default: "
-                                                      "built-in calibration split)")] = None,
-    samples: Annotated[int, typer.Option(help="--imatrix: calibration windows")] = 128,
-    seq_len: Annotated[int, typer.Option(help="--imatrix: tokens per calibration window")] = 512,
+    data: CalibrationData = None,
+    samples: Samples = 128,
+    seq_len: SeqLen = 512,
 ) -> None:
     """Write MODEL for another runtime: a quantized model in the compressed-tensors layout that vLLM and
     transformers load (w4a16, w8a16, w8a8 and fp8 layers), or any model as one GGUF file for llama.cpp (16-bit
@@ -154,11 +153,10 @@ def _export_gguf(model: str, output: Path, round_offsets: bool, mixture: str | N
 def _importance(net, source: Path, data: Path | None, samples: int, seq_len: int) -> dict:
     """The importance matrix over `samples` calibration windows of the text (see gguf_export.importance_matrix)"""
     from leanlm.compress.quant.gguf_export import importance_matrix
-    from leanlm.eval.datasets import calibration_samples, load_text
     from leanlm.tokenizer import Tokenizer
 
-    windows = calibration_samples(Tokenizer(source).encode(load_text(data, split="calibration")), samples,
-                                  min(seq_len, net.config.max_position))
+    windows = pipeline.calibration_windows(Tokenizer(source), data, samples, seq_len, net.config.max_position,
+                                           err.print)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("importance matrix: windows", total=samples)
         return importance_matrix(net, windows, progress=lambda n: bar.advance(task, n))

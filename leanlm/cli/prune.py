@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from leanlm import pipeline
-from leanlm.cli.common import Compact, DType, Model, _fail, _recipe_alone, app, err, out, recipe_progress
+from leanlm.cli.common import (CalibrationData, Compact, DType, Model, Samples, SeqLen, _fail, _recipe_alone, app, err,
+                               out, recipe_progress)
 from leanlm.compress.sparse.masks import decoder_sparsity
 
 
@@ -37,10 +38,9 @@ def prune(
     num_layers: Annotated[Optional[int], typer.Option(help="layers: decoder layers kept")] = None,
     criterion: Annotated[Optional[str], typer.Option(help="neurons: contribution, activation, redundant; layers: "
                                                           "influence, loss")] = None,
-    data: Annotated[Optional[Path], typer.Option(help="calibration text file or folder (default: built-in "
-                                                      "calibration split)")] = None,
-    samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
-    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
+    data: CalibrationData = None,
+    samples: Samples = 128,
+    seq_len: SeqLen = 512,
     compact: Compact = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write (must not exist)")] = ...,
     dtype: DType = "auto",

@@ -446,3 +446,8 @@ class W8A16Sparse24Linear(_QuantLinearBase):
 
 SCHEMES = {cls.SCHEME: cls for cls in (W8A16Linear, W4A16Linear, W8A8Linear, FP8Linear, Int8OutlierLinear,
                                          W8A16Sparse24Linear)}
+
+
+def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules of `model` that are quantized layers (one of SCHEMES), by name."""
+    return {name: m for name, m in model.named_modules() if type(m) in SCHEMES.values()}

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from leanlm.compress.quant.format import copy_model_files
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.linear import SCHEMES, FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, unpack_int4
+from leanlm.lowbit.linear import FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, quantized_layers, unpack_int4
 from leanlm.models.loading import to_hf_names
 
 FORMATS = {W4A16Linear: "pack-quantized", W8A16Linear: "pack-quantized", W8A8Linear: "int-quantized",
@@ -95,7 +95,7 @@ def _pack(name: str, tensors: dict[str, torch.Tensor], bits: int) -> dict[str, t
 def export(model, source: Path, out: Path) -> dict:
     """Write `model` (a quantized Transformer) to `out` in the compressed-tensors layout, with the config and
     tokenizer files of `source`; return the quantization_config written."""
-    layers = {name: m for name, m in model.named_modules() if type(m) in SCHEMES.values()}
+    layers = quantized_layers(model)
     if not layers:
         raise LeanLMError("the model has no quantized layers to export")
     odd = sorted({type(m).__name__ for m in layers.values() if type(m) not in FORMATS})

@@ -33,7 +33,7 @@ from gguf.quants import dequantize
 
 from leanlm.compress.quant import kquants
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.linear import SCHEMES, W4A16Linear, W8A16Linear, W8A16Sparse24Linear, unpack_int4
+from leanlm.lowbit.linear import W4A16Linear, W8A16Linear, W8A16Sparse24Linear, quantized_layers, unpack_int4
 from leanlm.models.gguf import gguf_name, permute_rotary
 from leanlm.models.layers import Linear
 from leanlm.models.loading import to_hf_names
@@ -154,7 +154,7 @@ def gguf_tensors(model, round_offsets: bool = False, mixture: str | None = None,
     k-quant `mixture`, every float weight matrix quantized to its type in that mixture (with `imatrix`, GGUF name ->
     the mean squared input of each column, where it has one). progress() is called after each tensor."""
     cfg = model.config
-    layers = layers_of(model)
+    layers = quantized_layers(model)
     if mixture and layers:
         raise LeanLMError(f"a k-quant GGUF ({mixture}) is made from a float model's weights; this model has "
                           f"{len(layers)} layers quantized by leanlm already (export it without --type)")
@@ -194,11 +194,6 @@ def gguf_tensors(model, round_offsets: bool = False, mixture: str | None = None,
             if progress:
                 progress()
     return out, written
-
-
-def layers_of(model) -> dict[str, torch.nn.Module]:
-    """The layers leanlm has quantized, by name"""
-    return {name: m for name, m in model.named_modules() if type(m) in SCHEMES.values()}
 
 
 @torch.no_grad()

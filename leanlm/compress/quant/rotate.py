@@ -24,7 +24,7 @@ from torch import nn
 
 from leanlm.compress.registry import register
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.linear import SCHEMES
+from leanlm.lowbit.linear import quantized_layers
 
 
 def _paley(q: int) -> torch.Tensor:
@@ -84,7 +84,7 @@ def rotate_model(model: nn.Module, seed: int = 0, progress=None) -> torch.Tensor
     """Fold the norms and rotate the residual stream of a float Transformer in place (see the module docstring);
     the products are computed in float64 and rounded once to the weights' dtype; progress(name) after each
     projection. Returns Q [d, d] float64."""
-    if any(type(m) in SCHEMES.values() for m in model.modules()):
+    if quantized_layers(model):
         raise LeanLMError("rotate works on float weights: put it before the quantization step in the recipe")
     d = model.config.hidden_size
     Q = rotation(d, seed)

@@ -58,6 +58,8 @@ def test_generate_file_runs_prompts_through_the_engine(tiny_dir, tmp_path_factor
     assert [x["index"] for x in results] == [0, 1, 2]
     assert results[0]["completions"][0]["tokens"] == 4 and len(results[1]["completions"]) == 2
     assert all(1 <= c["tokens"] <= 6 for x in results[1:] for c in x["completions"])
+    r = leanlm("generate", tiny_dir, "--file", prompts, "--max-tokens", "6", "--threads", "1", "--kv-cache", "int4")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3, r.stderr
     prompts.write_text('{"prompt": "hi"}\n{"prompt": "x", "top_q": 1}\n')
     r = leanlm("generate", tiny_dir, "--file", prompts)
     assert r.returncode == 2 and "line 2: unknown field(s) top_q" in r.stderr and "Traceback" not in r.stderr
@@ -89,7 +91,8 @@ def test_stdout_is_the_completion_even_when_a_gguf_is_converted_first(tmp_path):
     (["compress-prompt", "-f", "/no/such.txt", "--scorer", "{dir}"], "/no/such.txt"),
     (["compress-prompt", "hello " * 40, "--scorer", "{dir}", "--method", "zip"], "unknown compression method"),
     (["generate", "{dir}", "hi", "--kv-cache", "16"], "use auto"),
-    (["serve", "{dir}", "--kv-cache", "fp8"], "auto (the model's dtype) or int8"),
+    (["serve", "{dir}", "--kv-cache", "fp8"], "auto (the model's dtype), int8 or int4"),
+    (["generate", "{dir}", "hi", "--kv-cache", "int4"], "int4 KV cache lives in the serving engine's paged pool"),
     (["generate", "{dir}", "hi", "--regex", "a+", "--max-num-seqs", "0"], "max_num_seqs must be"),
 ])
 def test_bad_input_is_one_clear_line(tiny_dir, args, message):

@@ -40,6 +40,7 @@ class KVPool:
         if num_blocks < 2:
             raise LeanLMError(f"the KV cache budget holds {num_blocks} blocks of {block_size} tokens; give it more memory")
         self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
+        self.value_basis: torch.Tensor | None = None  # read's values are v times this orthogonal matrix (cache.int4)
         # empty, not zeros: the OS commits pages as blocks are first written (zeroing 4 GiB took 11 s), and
         # attention reads only slots that were written (paged_attention.PagedStep)
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -65,6 +66,9 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v + (self.k_scale or []) + (self.v_scale or []))
+
+    def prepare(self, slots: torch.Tensor) -> None:
+        """Called once per step, before any layer writes, with every slot the step writes (cache.int4 plans there)."""
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' keys and values  # slots [N]; k, v [N, Hkv, D]"""

@@ -26,9 +26,9 @@ class Chunk:
 
 def paged_kernel(pool: KVPool):
     """leanlm's kernel ops if their paged attention can read this pool (a CPU pool of a float32 or bfloat16 model,
-    entries in its dtype or int8), else None."""
+    entries in its dtype or int8; not int4), else None."""
     on_cpu = pool.k[0].device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
-    return kernels.ops() if on_cpu else None
+    return kernels.ops() if on_cpu and pool.k[0].dtype in (pool.dtype, torch.int8) else None
 
 
 def slots_of(block_table: list[int], block_size: int, end: int, device=None) -> torch.Tensor:
@@ -64,6 +64,7 @@ class PagedStep:
             new_slots.append(slots[begin:])
             row += n
         self.slot_mapping = torch.cat(new_slots)  # [N] where each new token's key and value go
+        pool.prepare(self.slot_mapping)
         self.kernel = paged_kernel(pool)
 
     def attention_mask(self, T: int):
@@ -85,7 +86,10 @@ class PagedStep:
                                                  attn_mask=c.mask, is_causal=c.mask is None,
                                                  enable_gqa=k.shape[1] != q.shape[1])
             outs.append(out[0].transpose(0, 1))
-        return (torch.cat(outs) if len(outs) > 1 else outs[0])[None]
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if (Q := self.pool.value_basis) is not None:  # the values were read as v Q: so is their weighted sum
+            out = (out.float() @ Q.T).to(out.dtype)
+        return out[None]
 
     def _decodes(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D]"""

@@ -24,8 +24,9 @@ Model = Annotated[str, typer.Argument(help="zoo name (see `leanlm pull --list`),
 DType = Annotated[str, typer.Option(help="weights/activations dtype: auto (bfloat16), float32, bfloat16, float16")]
 Device = Annotated[str, typer.Option(help="cpu or cuda (auto: cuda when present)")]
 Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: the fastest, found by a short probe)")]
-KVCache = Annotated[str, typer.Option(help="KV cache storage: auto (the model's dtype) or int8 (per token/head: "
-                                            "about twice the tokens in the same memory)")]
+KVCache = Annotated[str, typer.Option(help="KV cache storage: auto (the model's dtype), int8 (per token/head: "
+                                            "about twice the tokens in the same memory) or int4 (serving engine only; "
+                                            "keys per channel, values per token: about 2.7x the bfloat16 tokens)")]
 CalibrationData = Annotated[Optional[Path], typer.Option(help="calibration text file or folder (default: built-in "
                                                               "calibration split)")]
 Samples = Annotated[int, typer.Option(help="calibration windows")]

@@ -86,6 +86,7 @@ def generate(
         run = _generate_engine if file is None else _generate_file
         run(model, prompt if file is None else file, params, chat, config, dtype, device, threads)
         return
+    check_kv_cache(kv_cache, "--kv-cache without --file", ("auto", "int8"))
     net, tok, threads = _load(model, dtype, device, threads)
     if (draft or prompt_lookup) and num_speculative != 0:
         if len(prompt) > 1:

@@ -12,14 +12,18 @@ from leanlm.errors import LeanLMError
 from leanlm.models.transformer import Transformer
 from leanlm.runtime import parse_memory
 
-KV_CACHES = ("auto", "int8")  # auto: the model's own dtype
+KV_CACHES = ("auto", "int8", "int4")  # auto: the model's own dtype; int4 only in the engine's paged pool
 
 
-def check_kv_cache(value, what: str = "kv_cache") -> str:
-    """The one spelling of the KV-cache choice, checked wherever it is given (engine, CLI, optimize's variants)."""
-    if value not in KV_CACHES:
+def check_kv_cache(value, what: str = "kv_cache", allowed: tuple[str, ...] = KV_CACHES) -> str:
+    """The one spelling of the KV-cache choice, checked wherever it is given (engine, CLI, optimize's variants);
+    `allowed`: what that place supports (the static caches have no int4)."""
+    if value not in allowed:
         hint = ": use auto (16 was its old name)" if str(value) == "16" else ""
-        raise LeanLMError(f"{what} must be auto (the model's dtype) or int8, got {value!r}{hint}")
+        if value == "int4" and "int4" in KV_CACHES:
+            hint = ": the int4 KV cache lives in the serving engine's paged pool (leanlm serve, generate --file)"
+        names = [f"{a} (the model's dtype)" if a == "auto" else a for a in allowed]
+        raise LeanLMError(f"{what} must be {', '.join(names[:-1])} or {names[-1]}, got {value!r}{hint}")
     return value
 
 
@@ -32,8 +36,9 @@ class EngineConfig:
     block_size: tokens per KV block (the unit of allocation and of prefix sharing).
     max_num_seqs, max_num_batched_tokens: most sequences running together, most tokens fed in one step.
     prefix_caching: reuse the blocks of a prompt prefix computed before.
-    kv_cache: "auto" (keys and values in the model's dtype) or "int8" (a scale per token and head: about twice the
-        tokens in the same memory).
+    kv_cache: "auto" (keys and values in the model's dtype), "int8" (a scale per token and head: about twice the
+        tokens in the same memory) or "int4" (KIVI: keys per channel, values per token; about 2.7x the bfloat16
+        tokens, the newest block's keys in full precision; read by gathering, not the paged-attention kernel).
     compile: decode-only steps as compiled graphs (fastest at few sequences; each batch bucket compiles once).
     deterministic: a request's output independent of its batch, chunking and speculation.
     prompt_lookup: speculate with n-grams of the context up to this size (0: off).

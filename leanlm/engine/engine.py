@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from leanlm.cache.int4 import Int4KVPool
 from leanlm.cache.paged import KVPool, cdiv
 from leanlm.engine.compiled import CompiledPagedDecoder
 from leanlm.engine.config import EngineConfig
@@ -28,6 +29,23 @@ from leanlm.runtime import parse_memory
 from leanlm.tokenizer import Tokenizer
 
 
+def _pool(model: Transformer, config: EngineConfig, memory: int, draft: Transformer | None) -> KVPool:
+    """The KV pool `memory` bytes buy: the model's blocks in the configured storage, and as many of the draft's
+    (its own dtype) block for block; an int4 pool also holds full-precision keys for one open block a sequence."""
+    cfg, bs, dtype = model.config, config.block_size, model.dtype
+    if config.kv_cache == "int4":
+        open_blocks = config.max_num_seqs
+        per_block = Int4KVPool.bytes_per_block(cfg, bs)
+        memory -= Int4KVPool.side_bytes(cfg, bs, dtype, open_blocks)
+    else:
+        per_block = KVPool.bytes_per_block(cfg, bs, dtype, config.int8_kv)
+    if draft is not None:
+        per_block += KVPool.bytes_per_block(draft.config, bs, draft.dtype)
+    if config.kv_cache == "int4":
+        return Int4KVPool(cfg, max(memory, 0) // per_block, bs, dtype, model.device, open_blocks)
+    return KVPool(cfg, memory // per_block, bs, dtype, model.device, config.int8_kv)
+
+
 class Engine:
     """Not thread-safe: one thread adds, aborts and steps (engine.llm.AsyncLLM runs it on its own thread)."""
 
@@ -38,12 +56,8 @@ class Engine:
             raise LeanLMError(f"Engine takes a loaded draft model, not {config.draft!r}: load it (leanlm.load), or "
                               "use LLM, which loads it by name")
         self.model, self.tokenizer, self.config, draft = model, tokenizer, config, config.draft
-        bs, memory = config.block_size, parse_memory(config.kv_cache_memory, model.device)
-        per_block = KVPool.bytes_per_block(model.config, bs, model.dtype, config.int8_kv)
-        if draft is not None:  # the budget holds both models' keys and values, block for block
-            per_block += KVPool.bytes_per_block(draft.config, bs, draft.dtype)
-        self.pool = KVPool(model.config, memory // per_block, bs, model.dtype, model.device, config.int8_kv)
-        self.drafter = Drafter(draft, self.pool.num_blocks, bs) if draft is not None else None
+        self.pool = _pool(model, config, parse_memory(config.kv_cache_memory, model.device), draft)
+        self.drafter = Drafter(draft, self.pool.num_blocks, config.block_size) if draft is not None else None
         self.scheduler = Scheduler(config, self.pool.num_blocks)
         self.runner = Runner(model, self.pool, self._compiled(), config.deterministic, self.scheduler.scratch)
         self.eos = eos_ids(model, tokenizer)
@@ -61,7 +75,7 @@ class Engine:
             return None
         if self.config.deterministic or not CompiledPagedDecoder.supports(self.pool):
             why = "deterministic mode feeds fixed tiles" if self.config.deterministic else (
-                "the int8 KV cache is quantized outside the graph" if self.pool.int8 else
+                f"the {self.config.kv_cache} KV cache is quantized outside the graph" if self.config.kv_cache != "auto" else
                 "the paged-attention kernel is unavailable (a CPU float32/bfloat16 model and a C++ compiler)")
             print(f"leanlm: warning: compile is off, steps run eager: {why}", file=sys.stderr)
             return None
@@ -81,7 +95,7 @@ class Engine:
 
     def describe(self) -> str:
         """The KV pool in a line: blocks, tokens, bytes (what the budget bought)."""
-        kind = "int8" if self.pool.int8 else str(self.pool.dtype).removeprefix("torch.")
+        kind = str(self.pool.dtype).removeprefix("torch.") if self.config.kv_cache == "auto" else self.config.kv_cache
         c = self.config
         return (f"KV cache: {self.scheduler.num_blocks} blocks of {c.block_size} tokens = {self.capacity} tokens "
                 f"({self.pool.nbytes / 2**30:.2f} GiB, {kind}); up to {c.max_num_seqs} sequences, "

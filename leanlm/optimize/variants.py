@@ -33,7 +33,7 @@ class Variant:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise LeanLMError(f"variant {self.name}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        check_kv_cache(self.kv_cache, f"variant {self.name}: kv_cache")
+        check_kv_cache(self.kv_cache, f"variant {self.name}: kv_cache", ("auto", "int8"))
         if self.draft and self.prompt_lookup:
             raise LeanLMError(f"variant {self.name}: speculate with a draft or with prompt lookup, not both")
         for step in self.steps:

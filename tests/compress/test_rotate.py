@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from leanlm import pipeline
-from leanlm.compress.quant.rotate import hadamard, rotate_model, rotation
+from leanlm.compress.quant.rotate import rotate_model
+from leanlm.lowbit.hadamard import hadamard, rotation
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import W8A16Linear
 from leanlm.models.loading import load_model

@@ -7,6 +7,7 @@ import torch
 
 from leanlm.cache.paged import KVPool
 from leanlm.engine import LLM, Engine, EngineConfig
+from leanlm.engine.config import engine_config
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
@@ -315,6 +316,36 @@ def test_int8_kv_pool_equals_one_by_one_with_the_int8_static_cache(tiny):
         engine.step()
     expected = [[s[0] for s in generate_ids(model, [p], GREEDY, cache_cls=Int8KVCache)] for p in ps]
     assert [s.output_ids for s in seqs] == expected
+
+
+def test_int4_kv_pool_is_batch_invariant_and_close_to_the_full_precision_pool(tiny):
+    """The int4 pool (cache.int4) quantizes each block by its own tokens, so a sequence's outputs do not depend on
+    what shares its steps, how its prompt is chunked or which blocks the prefix cache hands it; its prompt
+    log-probabilities stay near the float32 pool's."""
+    model, tok = tiny
+    ps = prompts(8, seed=12)
+    config = EngineConfig(block_size=4, kv_cache_memory=1 << 24, kv_cache="int4", max_num_batched_tokens=32)
+    engine = Engine(model, tok, config)
+    seqs = [engine.add_request(str(i), p, GREEDY)[0] for i, p in enumerate(ps)]
+    while engine.has_work:
+        engine.step()
+    alone = []
+    for p in ps:
+        single = Engine(model, tok, engine_config(config, prefix_caching=False, max_num_batched_tokens=256))
+        alone.append(single.add_request("0", p, GREEDY)[0])
+        while single.has_work:
+            single.step()
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in alone]
+    assert engine.blocks.num_free == engine.blocks.num_blocks and "int4" in engine.describe()
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    logprobs = {}
+    for kv in ("auto", "int4"):
+        llm = LLM(model, tok, config=engine_config(config, kv_cache=kv), quiet=True)
+        out = llm.generate([ps[0]], params)[0]
+        logprobs[kv] = torch.tensor([t.logprob for t in out.prompt_logprobs[1:]])
+    gap = (logprobs["int4"] - logprobs["auto"]).abs()
+    assert 0 < gap.mean() < 0.05
 
 
 def test_build_graphs_compiles_every_bucket_up_to_max_num_seqs_before_any_request(tiny, monkeypatch):

@@ -171,6 +171,43 @@ def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype, int8, D
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D, lens", [(64, [1, 4, 5, 17, 33]), (128, [150]), (80, [40, 2, 90])])
+def test_int4_paged_attention_equals_attention_over_what_the_pool_reads(ops, dtype, D, lens):
+    """The int4 pool's kernel against attention over the keys and values its `read` gives: codes times per-channel
+    (keys) and per-token (values) float16 scales plus minimums, open blocks' keys from the side pool, first tokens
+    exact. Every sequence's last block is open (lengths not multiples of 4); sequence 0's first token is a sink."""
+    from leanlm.cache.int4 import Int4KVPool
+    from leanlm.models.config import ModelConfig
+
+    g = torch.Generator().manual_seed(D)
+    B, H, Hkv, bs = len(lens), 6, 2, 4
+    cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=H * D, intermediate_size=8, num_layers=1,
+                      num_heads=H, num_kv_heads=Hkv, head_dim=D, max_position=512)
+    width = max(lens) // bs + 1
+    pool = Int4KVPool(cfg, B * width + 3, bs, dtype)
+    tables = torch.randperm(pool.num_blocks, generator=g)[: B * width].view(B, width).int()
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    for b, n in enumerate(lens):  # each sequence's tokens written in one step, as a prompt
+        slots = (tables[b].long()[:, None] * bs + torch.arange(bs)).flatten()[:n]
+        k, v = (torch.randn(n, Hkv, D, generator=g).to(dtype) * 3 for _ in range(2))
+        pool.prepare(slots, [int(slots[0])] if b == 0 else [])
+        pool.write(0, slots, k, v)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    out = ops.paged_attention_int4(q, pool.k[0], pool.v[0], pool.k_scale[0], pool.k_min[0], pool.v_scale[0],
+                                   pool.v_min[0], pool.side[0], pool.entry_of, pool.sink_k[0], pool.sink_v[0],
+                                   pool.sink_of, tables, lens_t, bs)
+    assert len(pool.open) == sum(n % bs > 0 for n in lens) and len(pool.sinks) == 1
+    for b in range(B):
+        slots = (tables[b].long()[:, None] * bs + torch.arange(bs)).flatten()[: lens[b]]
+        k, v = pool.read(0, slots)
+        kb, vb = k.float().repeat_interleave(H // Hkv, 1), v.float().repeat_interleave(H // Hkv, 1)
+        probs = torch.einsum("hd,shd->hs", q[b].float(), kb).div(D**0.5).softmax(-1)
+        expected = torch.einsum("hs,shd->hd", probs, vb)
+        scale = expected.abs().max()  # bfloat16: the pool's read rounds each value, the kernel only its output
+        assert (out[b].float() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2) * scale
+
+
 def _check_paged_attention(ops, dtype, int8, D, lens):
     from leanlm.cache.int8 import quantize_per_token
 

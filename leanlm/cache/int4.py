@@ -12,11 +12,17 @@ precision in a small side pool with one entry per open block: KIVI's full-precis
 mid-block leaves its entry behind; when entries run out the least recently written one is quantized over the
 tokens it holds, and should its block be written again it is opened again from the codes.
 
+Each sequence's first token is kept exact besides its codes (one entry per sequence, least recently written
+dropped first): most heads park their attention on it (an attention sink), so its rounding reaches every query.
+
 Bytes per token and head at head_dim 64: 32 + 16 (keys: codes, a scale and a minimum per channel over 16 tokens)
 + 32 + 16 (values: codes, a scale and a minimum per group of 16) = 96, against 256 in bfloat16 and 136 in int8.
-Measured (benchmarks/kv_cache.py, SmolLM2-135M, 16k held-out tokens): groups of 32 without the rotation cost
-+1.21% perplexity, rotated +1.03%, groups of 16 unrotated +0.86%, rotated +0.64%; exact values would leave +0.45%
-(the keys' share). Clipping the grids to their least-squares ranges made it worse.
+Measured on SmolLM2-135M (16k held-out tokens in four 4096-token windows; benchmarks/kv_cache.py), perplexity gap:
+values in groups of 32 +1.21%, of 16 +0.86%; rotated groups of 16 +1.20%, and +0.74% with the first token exact.
+The gap moves by a few tenths of a percent with small changes in the rounding of a few tokens (rotated values
+rounded to bfloat16 before their grid: +0.64% without the exact first token; the first token left out of its
+block's key grid: +0.95% with it), so read differences under ~0.3% as noise. Clipping the grids to their
+least-squares ranges made it worse.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ class _Plan:
     open_work: torch.Tensor
     open_entry: torch.Tensor
     evict: list[tuple[int, int, int]]
+    sink_rows: torch.Tensor
+    sink_entry: torch.Tensor
 
 
 class Int4KVPool(KVPool):
@@ -112,6 +120,11 @@ class Int4KVPool(KVPool):
         self.entry_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)  # block -> side entry, or -1
         self.open: OrderedDict[int, list[int]] = OrderedDict()  # block -> [entry, tokens held], least recent first
         self.free_entries = list(range(open_blocks))
+        # each sequence's first token (an attention sink: most heads attend to it), kept exact besides its codes
+        self.sink_k, self.sink_v = empty(open_blocks, H, D, dt=dtype), empty(open_blocks, H, D, dt=dtype)
+        self.sink_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)  # block -> sink entry, or -1
+        self.sinks: OrderedDict[int, int] = OrderedDict()  # block -> sink entry, least recently written first
+        self.free_sinks = list(range(open_blocks))
         self.evicted: dict[int, int] = {}  # block -> tokens its codes hold, for blocks given up before they filled
         self._plan: _Plan | None = None
 
@@ -126,8 +139,8 @@ class Int4KVPool(KVPool):
 
     @staticmethod
     def side_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, open_blocks: int) -> int:
-        """The full-precision keys of `open_blocks` blocks still filling."""
-        return open_blocks * block_size * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        """The full-precision keys of `open_blocks` blocks still filling, and as many sequences' first tokens."""
+        return open_blocks * (block_size + 2) * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, memory: int, block_size: int, dtype: torch.dtype, device=None,
@@ -139,10 +152,11 @@ class Int4KVPool(KVPool):
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v + self.k_scale + self.k_min + self.v_scale + self.v_min
-                   + self.side)
+                   + self.side + self.sink_k + self.sink_v)
 
-    def prepare(self, slots: torch.Tensor) -> None:
-        """Plan the step that writes these slots (all layers write the same ones)."""
+    def prepare(self, slots: torch.Tensor, firsts: list[int] = ()) -> None:
+        """Plan the step that writes these slots (all layers write the same ones); `firsts`: those of them that
+        hold a sequence's first token."""
         bs, slot_list = self.block_size, slots.tolist()
         span: dict[int, list[int]] = {}  # block -> [first, last] offset written
         for s in slot_list:
@@ -175,6 +189,7 @@ class Int4KVPool(KVPool):
             self.open[b][1] = tokens
             self.open.move_to_end(b)
             opened.append((work[b], self.open[b][0]))
+        sinks = self._place_sinks(span, firsts, {s: i for i, s in enumerate(slot_list)})
         dev = self.entry_of.device
 
         def pair(items):
@@ -183,7 +198,34 @@ class Int4KVPool(KVPool):
 
         self._plan = _Plan(len(slot_list), torch.tensor([work[s // bs] * bs + s % bs for s in slot_list], device=dev),
                            len(work), *pair(side), *pair(codes), *pair([(work[b], b) for b, _ in close]),
-                           *pair(opened), evict)
+                           *pair(opened), evict, *pair(sinks))
+
+    def _place_sinks(self, span: dict[int, list[int]], firsts: list[int], row_of: dict[int, int]) -> list[tuple]:
+        """(row of the step, sink entry) for each first token written; a block restarting with another token
+        loses its sink. When entries run out the least recently written one is dropped (its codes stay)."""
+        for b, (lo, _) in span.items():
+            if lo == 0 and b * self.block_size not in firsts:
+                self._drop_sink(b)
+        placed = []
+        for slot in firsts:
+            b = slot // self.block_size
+            placed.append((row_of[slot], self._sink(b)))
+        return placed
+
+    def _sink(self, block: int) -> int:
+        """The block's sink entry, made (dropping the least recently written one if none is free) if it has none."""
+        if block not in self.sinks:
+            if not self.free_sinks:
+                self._drop_sink(next(iter(self.sinks)))
+            self.sinks[block] = self.free_sinks.pop()
+            self.sink_of[block] = self.sinks[block]
+        self.sinks.move_to_end(block)
+        return self.sinks[block]
+
+    def _drop_sink(self, block: int) -> None:
+        if (entry := self.sinks.pop(block, None)) is not None:
+            self.free_sinks.append(entry)
+            self.sink_of[block] = -1
 
     def _release(self, block: int) -> None:
         held = self.open.pop(block, None)
@@ -223,6 +265,9 @@ class Int4KVPool(KVPool):
         self.v[layer].index_copy_(0, slots, pack(codes.flatten(-2)))
         self.v_scale[layer].index_copy_(0, slots, scale[..., 0])
         self.v_min[layer].index_copy_(0, slots, low[..., 0])
+        if len(p.sink_rows):
+            self.sink_k[layer][p.sink_entry] = k[p.sink_rows].to(self.dtype)
+            self.sink_v[layer][p.sink_entry] = (v[p.sink_rows].float() @ self.value_basis).to(self.dtype)
 
     def _store_keys(self, layer: int, blocks: torch.Tensor, keys: torch.Tensor) -> None:
         """Quantize whole blocks' keys per channel  # blocks [n]; keys [n, T <= block_size, Hkv, D]"""
@@ -253,7 +298,21 @@ class Int4KVPool(KVPool):
             keys = torch.where(is_open[..., None, None], side, keys)
         codes = unpack(self.v[layer][slots]).unflatten(-1, (-1, self.group))
         values = codes * self.v_scale[layer][slots][..., None] + self.v_min[layer][slots][..., None]
-        return keys, values.flatten(-2).to(self.dtype)
+        values = values.flatten(-2).to(self.dtype)
+        sink = self.sink_of[slots // self.block_size]
+        is_sink = (sink >= 0) & (slots % self.block_size == 0)
+        if bool(is_sink.any()):
+            is_sink, sink = is_sink[..., None, None], sink.clamp(min=0)
+            keys = torch.where(is_sink, self.sink_k[layer][sink], keys)
+            values = torch.where(is_sink, self.sink_v[layer][sink], values)
+        return keys, values
+
+    def attend_kernel(self, ops, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """KVPool.attend_kernel over the codes, side pool and sinks (the output in the values' rotated basis)"""
+        return ops.paged_attention_int4(q, self.k[layer], self.v[layer], self.k_scale[layer], self.k_min[layer],
+                                        self.v_scale[layer], self.v_min[layer], self.side[layer], self.entry_of,
+                                        self.sink_k[layer], self.sink_v[layer], self.sink_of, tables, lens,
+                                        self.block_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block src to block dst in every layer, its side entry too if it is still filling."""
@@ -268,6 +327,12 @@ class Int4KVPool(KVPool):
                     t[dst] = t[src]
             self._release(dst)
             self.evicted.pop(dst, None)
+            self._drop_sink(dst)
+            if src in self.sinks:  # dst's first token is src's
+                self.sinks.move_to_end(src)  # not the one dropped to make room
+                entry = self._sink(dst)
+                for t in self.sink_k + self.sink_v:
+                    t[entry] = t[self.sinks[src]]
             if src in self.evicted:
                 self.evicted[dst] = self.evicted[src]
             if src in self.open:

@@ -67,8 +67,9 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v + (self.k_scale or []) + (self.v_scale or []))
 
-    def prepare(self, slots: torch.Tensor) -> None:
-        """Called once per step, before any layer writes, with every slot the step writes (cache.int4 plans there)."""
+    def prepare(self, slots: torch.Tensor, firsts: list[int] = ()) -> None:
+        """Called once per step, before any layer writes, with every slot the step writes and those of them that
+        hold a sequence's first token (cache.int4 plans there)."""
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' keys and values  # slots [N]; k, v [N, Hkv, D]"""
@@ -87,6 +88,12 @@ class KVPool:
             return self.k[layer][slots], self.v[layer][slots]
         return (dequantize_per_token(self.k[layer][slots], self.k_scale[layer][slots], self.dtype),
                 dequantize_per_token(self.v[layer][slots], self.v_scale[layer][slots], self.dtype))
+
+    def attend_kernel(self, ops, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Single-token queries against their sequences' keys and values in this layer, by leanlm's paged-attention
+        kernel (ops: kernels.ops())  # q [B, H, D]; tables [B, width], lens [B] int32 -> [B, H, D]"""
+        scales = (self.k_scale[layer], self.v_scale[layer]) if self.int8 else (None, None)
+        return ops.paged_attention(q, self.k[layer], self.v[layer], tables, lens, self.block_size, *scales)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block src to block dst in every layer (a forked sequence's partial last block)."""

@@ -25,10 +25,10 @@ class Chunk:
 
 
 def paged_kernel(pool: KVPool):
-    """leanlm's kernel ops if their paged attention can read this pool (a CPU pool of a float32 or bfloat16 model,
-    entries in its dtype or int8; not int4), else None."""
+    """leanlm's kernel ops if their paged attention can read this pool (a CPU pool of a float32 or bfloat16 model),
+    else None."""
     on_cpu = pool.k[0].device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
-    return kernels.ops() if on_cpu and pool.k[0].dtype in (pool.dtype, torch.int8) else None
+    return kernels.ops() if on_cpu else None
 
 
 def slots_of(block_table: list[int], block_size: int, end: int, device=None) -> torch.Tensor:
@@ -64,7 +64,7 @@ class PagedStep:
             new_slots.append(slots[begin:])
             row += n
         self.slot_mapping = torch.cat(new_slots)  # [N] where each new token's key and value go
-        pool.prepare(self.slot_mapping)
+        pool.prepare(self.slot_mapping, [t[0] * bs for t, s in zip(tables, starts) if s == 0])
         self.kernel = paged_kernel(pool)
 
     def attention_mask(self, T: int):
@@ -94,10 +94,7 @@ class PagedStep:
     def _decodes(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D]"""
         if self.kernel is not None:
-            pool = self.pool
-            scales = (pool.k_scale[layer], pool.v_scale[layer]) if pool.int8 else (None, None)
-            return self.kernel.paged_attention(q.contiguous(), pool.k[layer], pool.v[layer], self.tables, self.lens,
-                                               pool.block_size, *scales)
+            return self.pool.attend_kernel(self.kernel, layer, q.contiguous(), self.tables, self.lens)
         bs, width = self.pool.block_size, self.tables.shape[1]
         position = torch.arange(width * bs, device=q.device)[None]  # [1, S]
         mask = position < self.lens[:, None]

@@ -66,8 +66,8 @@ class CompiledPagedDecoder:
 
     @staticmethod
     def supports(pool: KVPool) -> bool:
-        """The kernel reads the pool, and the step writes raw entries (no int8 quantization in the graph)."""
-        return not pool.int8 and paged_kernel(pool) is not None
+        """The kernel reads the pool, and the step writes raw entries (no int8 or int4 quantization in the graph)."""
+        return pool.k[0].dtype == pool.dtype and paged_kernel(pool) is not None
 
     @torch.inference_mode()
     def run(self, tables: list[list[int]], positions: list[int], tokens: list[int]) -> torch.Tensor:

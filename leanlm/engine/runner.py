@@ -43,7 +43,7 @@ class Runner:
         self.deterministic, self.scratch = deterministic, scratch
         if deterministic and paged_kernel(pool) is None:
             raise LeanLMError("deterministic mode needs leanlm's paged-attention kernel: a CPU model (float32 or "
-                              "bfloat16), a KV cache in its dtype or int8 (not int4), and a C++ compiler")
+                              "bfloat16) and a C++ compiler to build the kernel")
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> Forward:

@@ -574,6 +574,10 @@ inline float sum16(f32x16 v) {
 // order and unpermute() restores it once at the end. A row of odd D / 16 ends in one vector in plain order.
 constexpr int kPairOrder[32] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27,
                                 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+inline void to_pairs(f32x16 a, f32x16 b, f32x16& lo, f32x16& hi) {  // 32 entries in plain order -> load32's
+  lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
 template <typename S>
 inline void load32(const S* p, f32x16& lo, f32x16& hi) {
 #if defined(LEANLM_AVX512)
@@ -584,9 +588,7 @@ inline void load32(const S* p, f32x16& lo, f32x16& hi) {
     return;
   }
 #endif
-  const f32x16 a = load16(p), b = load16(p + 16);
-  lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  to_pairs(load16(p), load16(p + 16), lo, hi);
 }
 inline void unpermute(const f32x16* v, int64_t V, float* out) {  // V vectors in load32's order -> out [16 V]
   for (int64_t j = 0; j + 1 < V; j += 2)
@@ -617,14 +619,96 @@ template <int VT>
 inline f32x16 bf16_scores16(const bf16*, const bf16* const*, int64_t, int64_t) { return f32x16{}; }
 #endif
 
+// Where attention reads a token's key or value row of one kv head, as 16-float vectors (load32's order with
+// pairs, for the value pass). PoolRows: the pool's entries [slots, Hkv, D] of S (float, bf16, or int8 codes times a
+// float scale per (slot, kv head)).
+template <typename S>
+struct PoolRows {
+  static constexpr bool kBf16 = std::is_same_v<S, bf16>;  // rows vdpbf16ps can read in place
+  const S* base;
+  const float* scales;  // int8: [slots, Hkv]; else null
+  int64_t Hkv, D;
+  const S* row(int64_t slot, int64_t h) const { return base + (slot * Hkv + h) * D; }
+  void prefetch(int64_t slot, int64_t h) const {
+    for (int64_t i = 0; i < int64_t(D * sizeof(S)); i += 64) __builtin_prefetch((const char*)row(slot, h) + i);
+  }
+  void load(int64_t slot, int64_t h, f32x16* r, int64_t V, bool pairs) const {
+    const S* p = row(slot, h);
+    int64_t j = 0;
+    if (pairs)
+      for (; j + 1 < V; j += 2) load32(p + j * 16, r[j], r[j + 1]);
+    for (; j < V; ++j) r[j] = load16(p + j * 16);
+    if (scales)
+      for (j = 0; j < V; ++j) r[j] *= scales[slot * Hkv + h];
+  }
+};
+
+inline f32x16 half16(const uint16_t* p) {  // 16 float16 -> float32
+#if defined(LEANLM_AVX512)
+  return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#else
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = float(c10::Half(p[i], c10::Half::from_bits()));
+  return v;
+#endif
+}
+inline f32x16 nibbles16(const uint8_t* c) {  // 8 bytes of 4-bit codes (channel 2i low, 2i + 1 high) -> 16 floats
+#if defined(LEANLM_AVX512)
+  const __m128i x = _mm_loadl_epi64((const __m128i*)c), mask = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(x, mask), hi = _mm_and_si128(_mm_srli_epi16(x, 4), mask);
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+#else
+  f32x16 v;
+  for (int i = 0; i < 8; ++i) v[2 * i] = c[i] & 15, v[2 * i + 1] = c[i] >> 4;
+  return v;
+#endif
+}
+
+// The int4 pool (leanlm/cache/int4.py): 4-bit codes [slots, Hkv, D / 2] times a float16 scale plus a float16
+// minimum, per (block, kv head, channel) for the keys (per_block), per (slot, kv head, 16 channels) for the values;
+// a sequence's first token read exact from `sink` [entries, Hkv, D] where sink_of[block] names an entry, and (keys)
+// a block still filling read exact from `side` [entries * bs, Hkv, D] where entry_of[block] names one.
+template <typename T>
+struct Int4Rows {
+  static constexpr bool kBf16 = false;
+  const uint8_t* codes;
+  const uint16_t *scale, *low;
+  const T *side, *sink;
+  const int64_t *entry_of, *sink_of;  // entry_of null for the values
+  int64_t Hkv, D, bs;
+  bool per_block;
+  void prefetch(int64_t slot, int64_t h) const { __builtin_prefetch(codes + (slot * Hkv + h) * D / 2); }
+  void load(int64_t slot, int64_t h, f32x16* r, int64_t V, bool pairs) const {
+    const int64_t block = slot / bs, offset = slot % bs;
+    const T* exact = nullptr;
+    if (offset == 0 && sink_of[block] >= 0)
+      exact = sink + (sink_of[block] * Hkv + h) * D;
+    else if (entry_of && entry_of[block] >= 0)
+      exact = side + ((entry_of[block] * bs + offset) * Hkv + h) * D;
+    if (exact) return PoolRows<T>{exact, nullptr, 0, 0}.load(0, 0, r, V, pairs);
+    const uint8_t* c = codes + (slot * Hkv + h) * D / 2;
+    for (int64_t j = 0; j < V; ++j) {
+      if (per_block) {
+        const int64_t at = (block * Hkv + h) * D + j * 16;
+        r[j] = nibbles16(c + j * 8) * half16(scale + at) + half16(low + at);
+      } else {
+        const int64_t at = (slot * Hkv + h) * V + j;
+        r[j] = nibbles16(c + j * 8) * float(c10::Half(scale[at], c10::Half::from_bits())) +
+               float(c10::Half(low[at], c10::Half::from_bits()));
+      }
+    }
+    if (pairs)
+      for (int64_t j = 0; j + 1 < V; j += 2) to_pairs(f32x16(r[j]), f32x16(r[j + 1]), r[j], r[j + 1]);
+  }
+};
+
 // One work item: query heads h0 * G .. (h0 + heads) * G of sequence b against its tokens [t0, t1), leaving each
 // query head's softmax max, sum and unnormalized output (m, l [H], acc [H, D] at this item's heads). VT: D / 16 as a
 // compile-time constant (4 and 8: the zoo's head sizes), or 0 for any other.
-template <int VT, typename T, typename S>
-void attend_part(const T* q, const S* k, const S* v, const float* ks, const float* vs, const int32_t* table,
-                 int64_t t0, int64_t t1, int64_t h0, int64_t heads, int64_t G, int64_t Hkv, int64_t D, int64_t bs,
-                 float* m, float* l, float* acc) {
-  const int64_t V = VT ? VT : D / 16, slot = Hkv * D, n = t1 - t0, width = (n + 15) / 16 * 16;
+template <int VT, typename T, typename K, typename Vs>
+void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* table, int64_t t0, int64_t t1, int64_t h0,
+                 int64_t heads, int64_t G, int64_t D, int64_t bs, float* m, float* l, float* acc) {
+  const int64_t V = VT ? VT : D / 16, n = t1 - t0, width = (n + 15) / 16 * 16;
   thread_local std::vector<float> score_buf;
   score_buf.resize(heads * G * width);
   float* scores = score_buf.data();  // [heads * G, width]
@@ -648,32 +732,12 @@ void attend_part(const T* q, const S* k, const S* v, const float* ks, const floa
       c += 16;
     }
   };
-  const S* row_of[16];
-  float scale_of[16];
-  auto find_rows = [&](const S* base, const float* scales, int64_t c, int64_t h) {  // kv head h0 + h's rows
+  // rows[t * V + j]: vector j of those tokens' rows of kv head h0 + h, zero past the count; in plain order for the
+  // keys, load32's for the values
+  auto read_rows = [&](const auto& src, int64_t c, int64_t h, bool pairs) {
     const int64_t count = std::min<int64_t>(16, n - c);
-    for (int64_t t = 0; t < next_count; ++t)
-      for (int64_t i = 0; i < int64_t(D * sizeof(S)); i += 64)
-        __builtin_prefetch((const char*)(base + next_of[t] * slot + (h0 + h) * D) + i);
-    for (int64_t t = 0; t < count; ++t) {
-      row_of[t] = base + slot_of[t] * slot + (h0 + h) * D;
-      scale_of[t] = scales ? scales[slot_of[t] * Hkv + h0 + h] : 1.f;
-    }
-    return count;
-  };
-  // rows[t * V + j]: vector j of those tokens' rows (times their scale for int8), zero past the count; in plain
-  // order for the keys, load32's for the values
-  auto read_rows = [&](const S* base, const float* scales, int64_t c, int64_t h, bool pairs) {
-    const int64_t count = find_rows(base, scales, c, h);
-    for (int64_t t = 0; t < count; ++t) {
-      f32x16* r = rows + t * V;
-      int64_t j = 0;
-      if (pairs)
-        for (; j + 1 < V; j += 2) load32(row_of[t] + j * 16, r[j], r[j + 1]);
-      for (; j < V; ++j) r[j] = load16(row_of[t] + j * 16);
-      if (scales)
-        for (j = 0; j < V; ++j) r[j] *= scale_of[t];
-    }
+    for (int64_t t = 0; t < next_count; ++t) src.prefetch(next_of[t], h0 + h);
+    for (int64_t t = 0; t < count; ++t) src.load(slot_of[t], h0 + h, rows + t * V, V, pairs);
     for (int64_t t = count; t < 16; ++t)
       for (int64_t j = 0; j < V; ++j) rows[t * V + j] = f32x16{};
     return count;
@@ -681,15 +745,18 @@ void attend_part(const T* q, const S* k, const S* v, const float* ks, const floa
   for (int64_t c = 0; c < n; c += 16)
     for (int64_t h = 0; h < heads; ++h) {
       if (h == 0) find_slots(c);
-      if constexpr (kBf16Dot && std::is_same_v<S, bf16>) {
+      if constexpr (kBf16Dot && K::kBf16) {
         if (V % 2 == 0) {
-          const int64_t count = find_rows(k, ks, c, h);
+          const int64_t count = std::min<int64_t>(16, n - c);
+          const bf16* row_of[16];
+          for (int64_t t = 0; t < next_count; ++t) keys.prefetch(next_of[t], h0 + h);
+          for (int64_t t = 0; t < count; ++t) row_of[t] = keys.row(slot_of[t], h0 + h);
           for (int64_t g = h * G; g < (h + 1) * G; ++g)
             store16(scores + g * width + c, bf16_scores16<VT>(q + (h0 * G + g) * D, row_of, count, D) * scale);
           continue;
         }
       }
-      read_rows(k, ks, c, h, false);
+      read_rows(keys, c, h, false);
       for (int64_t g = h * G; g < (h + 1) * G; ++g) {
         f32x16 a[16];
         for (int t = 0; t < 16; ++t) {
@@ -722,7 +789,7 @@ void attend_part(const T* q, const S* k, const S* v, const float* ks, const floa
   for (int64_t c = 0; c < n; c += 16)
     for (int64_t h = 0; h < heads; ++h) {
       if (h == 0) find_slots(c);
-      const int64_t count = read_rows(v, vs, c, h, true);
+      const int64_t count = read_rows(values, c, h, true);
       for (int64_t g = h * G; g < (h + 1) * G; ++g) {
         const float* p = scores + g * width + c;
         f32x16 o[kMaxRow];
@@ -735,11 +802,10 @@ void attend_part(const T* q, const S* k, const S* v, const float* ks, const floa
   for (int64_t g = 0; g < heads * G; ++g) unpermute(qv + g * V, V, acc + (h0 * G + g) * D);
 }
 
-// T: q and out (float or bf16); S: the pool's entries (T, or int8 codes with float scales per (slot, kv head))
-template <int VT, typename T, typename S>
-void paged_attention_impl(const T* q, const S* k, const S* v, const float* ks, const float* vs, const int32_t* tables,
-                          const int32_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                          int64_t max_blocks, int64_t bs) {
+// T: q and out (float or bf16); K, Vs: where the keys and values are read (PoolRows or Int4Rows)
+template <int VT, typename T, typename K, typename Vs>
+void paged_attention_impl(const T* q, const K& keys, const Vs& values, const int32_t* tables, const int32_t* lens,
+                          T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t bs) {
   // A work item reads whole slots (every kv head of a token: one contiguous run per block), which the hardware
   // prefetcher streams; one kv head per item read 1/Hkv of each slot and ran at ~2 GB/s. Sequences are split by
   // kv head, then by tokens, only when too few to keep every thread busy.
@@ -761,7 +827,7 @@ void paged_attention_impl(const T* q, const S* k, const S* v, const float* ks, c
         std::fill(acc.begin() + (at + h0 * G) * D, acc.begin() + (at + (h0 + heads) * G) * D, 0.f);
         continue;
       }
-      attend_part<VT>(q + b * H * D, k, v, ks, vs, tables + b * max_blocks, t0, t1, h0, heads, G, Hkv, D, bs,
+      attend_part<VT>(q + b * H * D, keys, values, tables + b * max_blocks, t0, t1, h0, heads, G, D, bs,
                       m.data() + at, l.data() + at, acc.data() + at * D);
     }
   });
@@ -781,6 +847,28 @@ void paged_attention_impl(const T* q, const S* k, const S* v, const float* ks, c
       }
     }
   });
+}
+
+template <typename T, typename K, typename Vs>
+void attend_all(const T* q, const K& keys, const Vs& values, const int32_t* tables, const int32_t* lens, at::Tensor& out,
+                int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t W, int64_t bs) {  // out has q's dtype
+  T* op = out.data_ptr<T>();
+  if (D == 64)
+    paged_attention_impl<4>(q, keys, values, tables, lens, op, B, H, Hkv, D, W, bs);
+  else if (D == 128)
+    paged_attention_impl<8>(q, keys, values, tables, lens, op, B, H, Hkv, D, W, bs);
+  else
+    paged_attention_impl<0>(q, keys, values, tables, lens, op, B, H, Hkv, D, W, bs);
+}
+
+void check_tables(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens, int64_t block_size) {
+  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt && tables.is_contiguous() &&
+                  tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
+              "paged_attention wants int32 tables [B, max_blocks] and lens [B]");
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * block_size, "paged_attention: length ", lp[b],
+                " of sequence ", b, " is not in [1, ", tables.size(1) * block_size, "]");
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
@@ -803,26 +891,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "paged_attention wants contiguous q, k, v");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(1) * q.size(2) / 16 <= kMaxVectors && k.size(2) / 16 <= kMaxRow,
               "paged_attention wants head_dim a multiple of 16 up to 256 and heads x head_dim <= 4096");
-  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt && tables.is_contiguous() &&
-                  tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
-              "paged_attention wants int32 tables [B, max_blocks] and lens [B]");
+  check_tables(q, tables, lens, block_size);
   const int32_t* lp = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * block_size, "paged_attention: length ", lp[b],
-                " of sequence ", b, " is not in [1, ", tables.size(1) * block_size, "]");
   at::Tensor out = at::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2), W = tables.size(1);
   const int32_t* tp = tables.data_ptr<int32_t>();
   const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
   auto run = [&](auto* qp, auto* kp, auto* vp) {  // out has q's dtype
-    auto* op = out.data_ptr<std::remove_pointer_t<decltype(qp)>>();
-    if (D == 64)
-      paged_attention_impl<4>(qp, kp, vp, ks, vs, tp, lp, op, B, H, Hkv, D, W, block_size);
-    else if (D == 128)
-      paged_attention_impl<8>(qp, kp, vp, ks, vs, tp, lp, op, B, H, Hkv, D, W, block_size);
-    else
-      paged_attention_impl<0>(qp, kp, vp, ks, vs, tp, lp, op, B, H, Hkv, D, W, block_size);
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    attend_all(qp, PoolRows<S>{kp, ks, Hkv, D}, PoolRows<S>{vp, vs, Hkv, D}, tp, lp, out, B, H, Hkv, D, W, block_size);
   };
   if (q.scalar_type() == at::kFloat && int8)
     run(q.data_ptr<float>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>());
@@ -832,6 +910,61 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     run(q.data_ptr<bf16>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>());
   else
     run(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>());
+  return out;
+}
+
+// The int4 pool's decode attention (leanlm/cache/int4.py): k, v [slots, Hkv, D / 2] uint8 codes; k_scale, k_min
+// [blocks, Hkv, D] and v_scale, v_min [slots, Hkv, D / 16] float16; side [entries * bs, Hkv, D] and entry_of
+// [blocks] int64 (-1: none) for the keys of blocks still filling; sink_k, sink_v [entries, Hkv, D] and sink_of
+// [blocks] for sequences' first tokens. The output is in the values' stored basis (the pool rotates it back).
+at::Tensor paged_attention_int4(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& k_scale, const at::Tensor& k_min, const at::Tensor& v_scale,
+                                const at::Tensor& v_min, const at::Tensor& side, const at::Tensor& entry_of,
+                                const at::Tensor& sink_k, const at::Tensor& sink_v, const at::Tensor& sink_of,
+                                const at::Tensor& tables, const at::Tensor& lens, int64_t block_size) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), slots = k.size(0);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(2) * 2 == D && H % Hkv == 0 &&
+                  D % 16 == 0 && H * D / 16 <= kMaxVectors && D / 16 <= kMaxRow && slots % block_size == 0,
+              "paged_attention_int4 wants q [B, H, D] and codes [slots, Hkv, D / 2], D a multiple of 16 up to 256");
+  TORCH_CHECK(k.scalar_type() == at::kByte && v.scalar_type() == at::kByte, "paged_attention_int4 wants uint8 codes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged_attention_int4 wants q "
+              "float32 or bfloat16");
+  const int64_t blocks = slots / block_size;
+  for (const at::Tensor* t : {&k_scale, &k_min})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == blocks * Hkv * D, "paged_attention_int4 wants "
+                "float16 k_scale, k_min [blocks, Hkv, D]");
+  for (const at::Tensor* t : {&v_scale, &v_min})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == slots * Hkv * D / 16, "paged_attention_int4 wants "
+                "float16 v_scale, v_min [slots, Hkv, D / 16]");
+  for (const at::Tensor* t : {&side, &sink_k, &sink_v})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->dim() == 3 && t->size(1) == Hkv && t->size(2) == D,
+                "paged_attention_int4 wants side and sinks [entries, Hkv, D] of q's dtype");
+  TORCH_CHECK(side.size(0) % block_size == 0 && sink_k.sizes() == sink_v.sizes(), "paged_attention_int4: side "
+              "[entries * block_size, Hkv, D], sink_k and sink_v alike");
+  for (const at::Tensor* t : {&entry_of, &sink_of})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == blocks, "paged_attention_int4 wants int64 entry_of "
+                "and sink_of [blocks]");
+  for (const at::Tensor* t : {&q, &k, &v, &k_scale, &k_min, &v_scale, &v_min, &side, &entry_of, &sink_k, &sink_v,
+                              &sink_of})
+    TORCH_CHECK(t->is_contiguous(), "paged_attention_int4 wants contiguous tensors");
+  check_tables(q, tables, lens, block_size);
+  at::Tensor out = at::empty_like(q);
+  auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  auto run = [&](auto* qp) {
+    using T = std::remove_pointer_t<decltype(qp)>;
+    const T *sp = side.data_ptr<T>(), *skp = sink_k.data_ptr<T>(), *svp = sink_v.data_ptr<T>();
+    const int64_t *ep = entry_of.data_ptr<int64_t>(), *sop = sink_of.data_ptr<int64_t>();
+    const Int4Rows<T> keys{k.data_ptr<uint8_t>(), half(k_scale), half(k_min), sp, skp, ep, sop, Hkv, D, block_size,
+                           true};
+    const Int4Rows<T> values{v.data_ptr<uint8_t>(), half(v_scale), half(v_min), sp, svp, nullptr, sop, Hkv, D,
+                             block_size, false};
+    attend_all(qp, keys, values, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out, B, H, Hkv, D,
+               tables.size(1), block_size);
+  };
+  if (q.scalar_type() == at::kFloat)
+    run(q.data_ptr<float>());
+  else
+    run(q.data_ptr<bf16>());
   return out;
 }
 
@@ -849,6 +982,9 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def("paged_attention_int4(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor k_min, Tensor v_scale, "
+        "Tensor v_min, Tensor side, Tensor entry_of, Tensor sink_k, Tensor sink_v, Tensor sink_of, Tensor tables, "
+        "Tensor lens, int block_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
@@ -858,4 +994,5 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("quantize_rows", quantize_rows);
   m.impl("int4_gemv", int4_gemv);
   m.impl("paged_attention", paged_attention);
+  m.impl("paged_attention_int4", paged_attention_int4);
 }

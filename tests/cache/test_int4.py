@@ -23,10 +23,10 @@ def keys_values(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def write(pool, slots: list[int], k, v, layers=(0, 1)):
+def write(pool, slots: list[int], k, v, layers=(0, 1), firsts=()):
     """One step's writes, as PagedStep makes them."""
     slots = torch.tensor(slots)
-    pool.prepare(slots)
+    pool.prepare(slots, list(firsts))
     for layer in layers:
         pool.write(layer, slots, k, v)
 
@@ -129,6 +129,27 @@ def test_a_forked_open_block_keeps_its_full_precision_keys():
     assert set(pool.open) == {2, 5}
 
 
+def test_a_sequences_first_token_reads_back_exact_until_its_block_is_reused():
+    """The attention sink: position 0's key and value kept exact beside their codes; a block taken by another
+    sequence at a later position loses it; with more first tokens than entries the oldest fall back to codes."""
+    pool = Int4KVPool(CFG, 8, BS, torch.float32, open_blocks=2)
+    k, v = keys_values(8, seed=7)
+    write(pool, [12, 13, 14, 15, 4, 5, 6, 7], k, v, firsts=[12])  # positions 0-7 in blocks 3 and 1
+    keys, values = pool.read(1, torch.tensor([12, 13]))
+    assert torch.equal(keys[0], k[0]) and torch.allclose(values[0], v[0] @ pool.value_basis, atol=1e-6)
+    assert not torch.equal(keys[1], k[1])  # the rest of the block: codes
+    write(pool, [12, 13], k[:2], v[:2])  # block 3 reused by another sequence, from its position 16
+    assert 3 not in pool.sinks and pool.free_sinks
+    _, values = pool.read(1, torch.tensor([12]))  # (its keys are open again: exact in the side pool)
+    assert not torch.allclose(values[0], v[0] @ pool.value_basis, atol=1e-3)
+    for block in (0, 2, 5):  # three first tokens, two entries: block 0's is dropped
+        write(pool, [block * BS], k[:1], v[:1], firsts=[block * BS])
+    assert list(pool.sinks) == [2, 5] and int(pool.sink_of[0]) == -1
+    pool.copy_blocks([(5, 6)])  # a fork of a one-token sequence: its copy keeps the exact first token
+    keys, _ = pool.read(0, torch.tensor([24]))
+    assert torch.equal(keys[0], k[0]) and set(pool.sinks) == {5, 6}
+
+
 def test_the_budget_buys_about_2_7_times_the_bfloat16_tokens():
     per_block = Int4KVPool.bytes_per_block(CFG, 16)
     assert per_block == 2 * 2 * (16 * 32 + 4 * 64 + 16 * (32 + 16))  # layers x heads x (keys + values)
@@ -136,6 +157,7 @@ def test_the_budget_buys_about_2_7_times_the_bfloat16_tokens():
     pool = Int4KVPool.from_budget(CFG, 2**22, 16, torch.bfloat16, open_blocks=8)
     assert pool.nbytes <= 2**22 < pool.nbytes + per_block
     assert pool.nbytes == pool.num_blocks * per_block + Int4KVPool.side_bytes(CFG, 16, torch.bfloat16, 8)
+    assert Int4KVPool.side_bytes(CFG, 16, torch.bfloat16, 8) == 8 * (16 + 2) * 2 * 2 * 64 * 2  # keys; sinks' k, v
 
 
 def test_attention_through_the_int4_pool_is_close_to_full_precision():

@@ -208,6 +208,17 @@ def test_int4_paged_attention_equals_attention_over_what_the_pool_reads(ops, dty
         assert (out[b].float() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2) * scale
 
 
+def test_quantize_int4_is_the_int4_kv_caches_python_grid_bit_for_bit(ops):
+    from leanlm.cache.int4 import fit, pack
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 64, generator=g) * torch.rand(300, 1, generator=g) * 5
+    x[7] = 0  # a constant group: the smallest scale
+    codes, scale, low = ops.quantize_int4(x)
+    c, s, lo = fit(x.view(300, 4, 16), -1)
+    assert torch.equal(codes, pack(c.flatten(-2))) and torch.equal(scale, s[..., 0]) and torch.equal(low, lo[..., 0])
+
+
 def _check_paged_attention(ops, dtype, int8, D, lens):
     from leanlm.cache.int8 import quantize_per_token
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from leanlm import kernels
 from leanlm.cache.paged import KVPool
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.hadamard import rotation
@@ -67,21 +68,25 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Plan:
-    """A step's key writes, as tensors: every touched block gets a row of a work buffer [W, block_size, Hkv, D],
-    filled from its side entry (`side_*`) or its codes (`codes_*`, a block opened again), then the new keys
-    (at `rows`); `close_*` blocks are full and get quantized, `open_*` blocks go back to their side entries.
-    `evict`: (entry, block, tokens) side entries quantized and given up before the step reuses them."""
+    """A step's key writes, as tensors. Keys of blocks that stay open go straight to their side entries
+    (`direct_rows` of the step -> flat side rows `direct_side`). Blocks that fill up, and blocks opened again from
+    their codes, gather their keys in a work buffer [W, block_size, Hkv, D] (from their side entry, `side_*`, or
+    their codes, `codes_*`), take the new keys (`work_rows` -> `work_at`), then are quantized (`close_*`) or go back
+    to a side entry (`back_*`). `evict`: (entry, block, tokens) side entries quantized and given up first."""
     count: int
-    rows: torch.Tensor
+    direct_rows: torch.Tensor
+    direct_side: torch.Tensor
     width: int
+    work_rows: torch.Tensor
+    work_at: torch.Tensor
     side_work: torch.Tensor
     side_entry: torch.Tensor
     codes_work: torch.Tensor
     codes_block: torch.Tensor
     close_work: torch.Tensor
     close_block: torch.Tensor
-    open_work: torch.Tensor
-    open_entry: torch.Tensor
+    back_work: torch.Tensor
+    back_entry: torch.Tensor
     evict: list[tuple[int, int, int]]
     sink_rows: torch.Tensor
     sink_entry: torch.Tensor
@@ -163,32 +168,37 @@ class Int4KVPool(KVPool):
             b, o = divmod(s, bs)
             lo_hi = span.setdefault(b, [o, o])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], o), max(lo_hi[1], o)
-        work = {b: i for i, b in enumerate(span)}
-        side, codes, close, still_open = [], [], [], []
+        source, tokens = {}, {}  # block -> where its earlier keys are ("side", "codes", None), tokens it will hold
         for b, (lo, hi) in span.items():
-            held = self.open.get(b)
             if lo == 0:  # a block (re)starting: nothing before it counts
-                tokens = hi + 1
+                source[b], tokens[b] = None, hi + 1
                 self.evicted.pop(b, None)
-            elif held is not None:
-                side.append((work[b], held[0]))
-                tokens = max(held[1], hi + 1)
+            elif b in self.open:
+                source[b], tokens[b] = "side", max(self.open[b][1], hi + 1)
             else:  # quantized already (full, or evicted): open it again from its codes
-                codes.append((work[b], b))
-                tokens = max(self.evicted.pop(b, bs), hi + 1)
-            (close if tokens >= bs else still_open).append((b, tokens))
-        for b, _ in close:
+                source[b], tokens[b] = "codes", max(self.evicted.pop(b, bs), hi + 1)
+        work = {b: i for i, b in enumerate(b for b in span if tokens[b] >= bs or source[b] == "codes")}
+        side_src = [(work[b], self.open[b][0]) for b in work if source[b] == "side"]
+        close = [b for b in work if tokens[b] >= bs]
+        for b in close:
             self._release(b)
-        evict, opened = [], []
-        for b, tokens in still_open:
-            if b not in self.open:
-                if not self.free_entries:
-                    evict.append(self._evict(exclude=span))
-                self.open[b] = [self.free_entries.pop(), 0]
-                self.entry_of[b] = self.open[b][0]
-            self.open[b][1] = tokens
-            self.open.move_to_end(b)
-            opened.append((work[b], self.open[b][0]))
+        evict = []
+        for b in span:
+            if tokens[b] < bs:
+                if b not in self.open:
+                    if not self.free_entries:
+                        evict.append(self._evict(exclude=span))
+                    self.open[b] = [self.free_entries.pop(), 0]
+                    self.entry_of[b] = self.open[b][0]
+                self.open[b][1] = tokens[b]
+                self.open.move_to_end(b)
+        direct, worked = [], []
+        for i, s in enumerate(slot_list):
+            b, o = divmod(s, bs)
+            if b in work:
+                worked.append((i, work[b] * bs + o))
+            else:
+                direct.append((i, self.open[b][0] * bs + o))
         sinks = self._place_sinks(span, firsts, {s: i for i, s in enumerate(slot_list)})
         dev = self.entry_of.device
 
@@ -196,9 +206,10 @@ class Int4KVPool(KVPool):
             first, second = zip(*items) if items else ((), ())
             return torch.tensor(first, dtype=torch.long, device=dev), torch.tensor(second, dtype=torch.long, device=dev)
 
-        self._plan = _Plan(len(slot_list), torch.tensor([work[s // bs] * bs + s % bs for s in slot_list], device=dev),
-                           len(work), *pair(side), *pair(codes), *pair([(work[b], b) for b, _ in close]),
-                           *pair(opened), evict, *pair(sinks))
+        self._plan = _Plan(len(slot_list), *pair(direct), len(work), *pair(worked), *pair(side_src),
+                           *pair([(work[b], b) for b in work if source[b] == "codes"]),
+                           *pair([(work[b], b) for b in close]),
+                           *pair([(work[b], self.open[b][0]) for b in work if b in self.open]), evict, *pair(sinks))
 
     def _place_sinks(self, span: dict[int, list[int]], firsts: list[int], row_of: dict[int, int]) -> list[tuple]:
         """(row of the step, sink entry) for each first token written; a block restarting with another token
@@ -249,25 +260,35 @@ class Int4KVPool(KVPool):
         p = self._plan
         if p is None or p.count != len(slots):
             raise LeanLMError("Int4KVPool.write needs prepare() with the step's slots first")
-        bs, (_, H, D) = self.block_size, k.shape
-        side = self.side[layer].view(-1, bs, H, D)
-        work = torch.zeros(p.width, bs, H, D, dtype=self.dtype, device=k.device)
-        work[p.side_work] = side[p.side_entry]
-        if len(p.codes_block):
-            work[p.codes_work] = self._keys_of_blocks(layer, p.codes_block)
-        for entry, block, tokens in p.evict:  # before the step hands the entry to another block
-            self._store_keys(layer, torch.tensor([block], device=k.device), side[entry : entry + 1, :tokens])
-        work.view(-1, H, D).index_copy_(0, p.rows, k.to(self.dtype))
-        if len(p.close_block):
-            self._store_keys(layer, p.close_block, work[p.close_work])
-        side[p.open_entry] = work[p.open_work]
-        codes, scale, low = fit((v.float() @ self.value_basis).view(-1, H, D // self.group, self.group), -1)
-        self.v[layer].index_copy_(0, slots, pack(codes.flatten(-2)))
-        self.v_scale[layer].index_copy_(0, slots, scale[..., 0])
-        self.v_min[layer].index_copy_(0, slots, low[..., 0])
+        bs, (N, H, D) = self.block_size, k.shape
+        k, side = k.to(self.dtype), self.side[layer]
+        blocks = side.view(-1, bs, H, D)
+        if p.width:  # read every source before the step's writes land in reused side entries
+            work = torch.zeros(p.width, bs, H, D, dtype=self.dtype, device=k.device)
+            work[p.side_work] = blocks[p.side_entry]
+            if len(p.codes_block):
+                work[p.codes_work] = self._keys_of_blocks(layer, p.codes_block)
+        for entry, block, tokens in p.evict:
+            self._store_keys(layer, torch.tensor([block], device=k.device), blocks[entry : entry + 1, :tokens])
+        side.index_copy_(0, p.direct_side, k[p.direct_rows] if len(p.direct_rows) < N else k)
+        if p.width:
+            work.view(-1, H, D).index_copy_(0, p.work_at, k[p.work_rows])
+            if len(p.close_block):
+                self._store_keys(layer, p.close_block, work[p.close_work])
+            blocks[p.back_entry] = work[p.back_work]
+        rotated = v.float() @ self.value_basis  # [N, H, D]
+        if self.group == 16 and (ops := kernels.ops() if rotated.device.type == "cpu" else None) is not None:
+            codes, scale, low = ops.quantize_int4(rotated.view(N * H, D))
+            codes, scale, low = codes.view(N, H, -1), scale.view(N, H, -1), low.view(N, H, -1)
+        else:
+            codes, scale, low = fit(rotated.view(N, H, D // self.group, self.group), -1)
+            codes, scale, low = pack(codes.flatten(-2)), scale[..., 0], low[..., 0]
+        self.v[layer].index_copy_(0, slots, codes)
+        self.v_scale[layer].index_copy_(0, slots, scale)
+        self.v_min[layer].index_copy_(0, slots, low)
         if len(p.sink_rows):
             self.sink_k[layer][p.sink_entry] = k[p.sink_rows].to(self.dtype)
-            self.sink_v[layer][p.sink_entry] = (v[p.sink_rows].float() @ self.value_basis).to(self.dtype)
+            self.sink_v[layer][p.sink_entry] = rotated[p.sink_rows].to(self.dtype)
 
     def _store_keys(self, layer: int, blocks: torch.Tensor, keys: torch.Tensor) -> None:
         """Quantize whole blocks' keys per channel  # blocks [n]; keys [n, T <= block_size, Hkv, D]"""

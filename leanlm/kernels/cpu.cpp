@@ -968,6 +968,34 @@ at::Tensor paged_attention_int4(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
+// The int4 KV cache's per-token values (fit() of leanlm/cache/int4.py over groups of 16 entries): x [R, C] float32,
+// C a multiple of 16 -> codes two to a byte [R, C / 2] uint8 and a float16 scale and minimum [R, C / 16], bit for
+// bit the Python grid's (minimum and scale rounded to float16 first, codes rounded half to even under them), in one
+// pass where the tensor ops took ~12.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int4(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 16 == 0,
+              "quantize_int4 wants contiguous float32 x [R, C], C a multiple of 16");
+  const int64_t R = x.size(0), groups = R * x.size(1) / 16;
+  at::Tensor codes = at::empty({R, x.size(1) / 2}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({R, x.size(1) / 16}, x.options().dtype(at::kHalf)), low = at::empty_like(scale);
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  at::Half *sp = scale.data_ptr<at::Half>(), *lp = low.data_ptr<at::Half>();
+  at::parallel_for(0, groups, 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* p = xp + g * 16;
+      float lo = p[0], hi = p[0];
+      for (int i = 1; i < 16; ++i) lo = std::min(lo, p[i]), hi = std::max(hi, p[i]);
+      const at::Half l = lo, sc = std::max((hi - float(l)) / 15.f, 1e-7f);
+      const float lf = l, sf = sc;
+      auto code = [&](float v) { return uint8_t(std::clamp(std::nearbyint((v - lf) / sf), 0.f, 15.f)); };
+      for (int i = 0; i < 16; i += 2) cp[g * 8 + i / 2] = code(p[i]) | (code(p[i + 1]) << 4);
+      sp[g] = sc, lp[g] = l;
+    }
+  });
+  return {codes, scale, low};
+}
+
 std::string isa() { return LEANLM_ISA; }
 
 }  // namespace
@@ -982,6 +1010,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def("quantize_int4(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("paged_attention_int4(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor k_min, Tensor v_scale, "
         "Tensor v_min, Tensor side, Tensor entry_of, Tensor sink_k, Tensor sink_v, Tensor sink_of, Tensor tables, "
         "Tensor lens, int block_size) -> Tensor");
@@ -995,4 +1024,5 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int4_gemv", int4_gemv);
   m.impl("paged_attention", paged_attention);
   m.impl("paged_attention_int4", paged_attention_int4);
+  m.impl("quantize_int4", quantize_int4);
 }

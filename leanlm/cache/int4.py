@@ -308,9 +308,17 @@ class Int4KVPool(KVPool):
         blocks = slots // self.block_size
         return (unpack(self.k[layer][slots]) * self.k_scale[layer][blocks] + self.k_min[layer][blocks]).to(self.dtype)
 
+    def _tensors(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's pool as the C++ int4 ops take it."""
+        return (self.k[layer], self.v[layer], self.k_scale[layer], self.k_min[layer], self.v_scale[layer],
+                self.v_min[layer], self.side[layer], self.entry_of, self.sink_k[layer], self.sink_v[layer], self.sink_of)
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at these slots in the model dtype (keys of open blocks from the side pool); the values in
         the rotated basis (v Q: attention over them gives its output times Q)"""
+        if (ops := kernels.ops() if slots.device.type == "cpu" else None) is not None:
+            keys, values = ops.read_int4(*self._tensors(layer), slots.reshape(-1).contiguous(), self.block_size)
+            return keys.view(*slots.shape, *keys.shape[1:]), values.view(*slots.shape, *values.shape[1:])
         keys = self._keys(layer, slots)
         entry = self.entry_of[slots // self.block_size]
         is_open = entry >= 0
@@ -330,10 +338,7 @@ class Int4KVPool(KVPool):
 
     def attend_kernel(self, ops, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """KVPool.attend_kernel over the codes, side pool and sinks (the output in the values' rotated basis)"""
-        return ops.paged_attention_int4(q, self.k[layer], self.v[layer], self.k_scale[layer], self.k_min[layer],
-                                        self.v_scale[layer], self.v_min[layer], self.side[layer], self.entry_of,
-                                        self.sink_k[layer], self.sink_v[layer], self.sink_of, tables, lens,
-                                        self.block_size)
+        return ops.paged_attention_int4(q, *self._tensors(layer), tables, lens, self.block_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block src to block dst in every layer, its side entry too if it is still filling."""

@@ -913,59 +913,112 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-// The int4 pool's decode attention (leanlm/cache/int4.py): k, v [slots, Hkv, D / 2] uint8 codes; k_scale, k_min
-// [blocks, Hkv, D] and v_scale, v_min [slots, Hkv, D / 16] float16; side [entries * bs, Hkv, D] and entry_of
-// [blocks] int64 (-1: none) for the keys of blocks still filling; sink_k, sink_v [entries, Hkv, D] and sink_of
-// [blocks] for sequences' first tokens. The output is in the values' stored basis (the pool rotates it back).
+// The int4 pool's tensors (leanlm/cache/int4.py), checked once for both of its ops: k, v [slots, Hkv, D / 2] uint8
+// codes; k_scale, k_min [blocks, Hkv, D] and v_scale, v_min [slots, Hkv, D / 16] float16; side [entries * bs, Hkv, D]
+// and entry_of [blocks] int64 (-1: none) for the keys of blocks still filling; sink_k, sink_v [entries, Hkv, D] and
+// sink_of [blocks] for sequences' first tokens. Values come out in their stored (rotated) basis.
+struct Int4Pool {
+  const at::Tensor &k, &v, &k_scale, &k_min, &v_scale, &v_min, &side, &entry_of, &sink_k, &sink_v, &sink_of;
+  int64_t bs;
+
+  void check(at::ScalarType dtype) const {
+    const int64_t slots = k.size(0), Hkv = k.size(1), D = 2 * k.size(2), blocks = slots / bs;
+    TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && D % 16 == 0 && D / 16 <= kMaxRow && slots % bs == 0 &&
+                    k.scalar_type() == at::kByte && v.scalar_type() == at::kByte,
+                "int4 pool: uint8 codes k, v [slots, Hkv, D / 2], D a multiple of 16 up to 256");
+    for (const at::Tensor* t : {&k_scale, &k_min})
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == blocks * Hkv * D, "int4 pool: float16 k_scale, "
+                  "k_min [blocks, Hkv, D]");
+    for (const at::Tensor* t : {&v_scale, &v_min})
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == slots * Hkv * D / 16, "int4 pool: float16 v_scale, "
+                  "v_min [slots, Hkv, D / 16]");
+    for (const at::Tensor* t : {&side, &sink_k, &sink_v})
+      TORCH_CHECK(t->scalar_type() == dtype && t->dim() == 3 && t->size(1) == Hkv && t->size(2) == D,
+                  "int4 pool: side and sinks [entries, Hkv, D] of the model's dtype");
+    TORCH_CHECK(side.size(0) % bs == 0 && sink_k.sizes() == sink_v.sizes(), "int4 pool: side [entries * block_size, "
+                "Hkv, D], sink_k and sink_v alike");
+    for (const at::Tensor* t : {&entry_of, &sink_of})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == blocks, "int4 pool: int64 entry_of, sink_of [blocks]");
+    for (const at::Tensor* t : {&k, &v, &k_scale, &k_min, &v_scale, &v_min, &side, &entry_of, &sink_k, &sink_v,
+                                &sink_of})
+      TORCH_CHECK(t->is_contiguous(), "int4 pool: contiguous tensors");
+  }
+  template <typename T>
+  std::pair<Int4Rows<T>, Int4Rows<T>> rows() const {  // (keys, values)
+    auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+    const int64_t Hkv = k.size(1), D = 2 * k.size(2);
+    const T* sp = side.data_ptr<T>();
+    const int64_t* sop = sink_of.data_ptr<int64_t>();
+    return {{k.data_ptr<uint8_t>(), half(k_scale), half(k_min), sp, sink_k.data_ptr<T>(), entry_of.data_ptr<int64_t>(),
+             sop, Hkv, D, bs, true},
+            {v.data_ptr<uint8_t>(), half(v_scale), half(v_min), sp, sink_v.data_ptr<T>(), nullptr, sop, Hkv, D, bs,
+             false}};
+  }
+};
+
+// Decode attention over the int4 pool (single-token queries q [B, H, D], as paged_attention).
 at::Tensor paged_attention_int4(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& k_scale, const at::Tensor& k_min, const at::Tensor& v_scale,
                                 const at::Tensor& v_min, const at::Tensor& side, const at::Tensor& entry_of,
                                 const at::Tensor& sink_k, const at::Tensor& sink_v, const at::Tensor& sink_of,
                                 const at::Tensor& tables, const at::Tensor& lens, int64_t block_size) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), slots = k.size(0);
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(2) * 2 == D && H % Hkv == 0 &&
-                  D % 16 == 0 && H * D / 16 <= kMaxVectors && D / 16 <= kMaxRow && slots % block_size == 0,
-              "paged_attention_int4 wants q [B, H, D] and codes [slots, Hkv, D / 2], D a multiple of 16 up to 256");
-  TORCH_CHECK(k.scalar_type() == at::kByte && v.scalar_type() == at::kByte, "paged_attention_int4 wants uint8 codes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged_attention_int4 wants q "
-              "float32 or bfloat16");
-  const int64_t blocks = slots / block_size;
-  for (const at::Tensor* t : {&k_scale, &k_min})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == blocks * Hkv * D, "paged_attention_int4 wants "
-                "float16 k_scale, k_min [blocks, Hkv, D]");
-  for (const at::Tensor* t : {&v_scale, &v_min})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == slots * Hkv * D / 16, "paged_attention_int4 wants "
-                "float16 v_scale, v_min [slots, Hkv, D / 16]");
-  for (const at::Tensor* t : {&side, &sink_k, &sink_v})
-    TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->dim() == 3 && t->size(1) == Hkv && t->size(2) == D,
-                "paged_attention_int4 wants side and sinks [entries, Hkv, D] of q's dtype");
-  TORCH_CHECK(side.size(0) % block_size == 0 && sink_k.sizes() == sink_v.sizes(), "paged_attention_int4: side "
-              "[entries * block_size, Hkv, D], sink_k and sink_v alike");
-  for (const at::Tensor* t : {&entry_of, &sink_of})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == blocks, "paged_attention_int4 wants int64 entry_of "
-                "and sink_of [blocks]");
-  for (const at::Tensor* t : {&q, &k, &v, &k_scale, &k_min, &v_scale, &v_min, &side, &entry_of, &sink_k, &sink_v,
-                              &sink_of})
-    TORCH_CHECK(t->is_contiguous(), "paged_attention_int4 wants contiguous tensors");
+  const Int4Pool pool{k, v, k_scale, k_min, v_scale, v_min, side, entry_of, sink_k, sink_v, sink_of, block_size};
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.dim() == 3 &&
+                  q.is_contiguous() && q.size(2) == 2 * k.size(2) && q.size(1) % k.size(1) == 0 &&
+                  q.size(1) * q.size(2) / 16 <= kMaxVectors,
+              "paged_attention_int4 wants contiguous q [B, H, D] (float32 or bfloat16), H a multiple of Hkv");
+  pool.check(q.scalar_type());
   check_tables(q, tables, lens, block_size);
   at::Tensor out = at::empty_like(q);
-  auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   auto run = [&](auto* qp) {
     using T = std::remove_pointer_t<decltype(qp)>;
-    const T *sp = side.data_ptr<T>(), *skp = sink_k.data_ptr<T>(), *svp = sink_v.data_ptr<T>();
-    const int64_t *ep = entry_of.data_ptr<int64_t>(), *sop = sink_of.data_ptr<int64_t>();
-    const Int4Rows<T> keys{k.data_ptr<uint8_t>(), half(k_scale), half(k_min), sp, skp, ep, sop, Hkv, D, block_size,
-                           true};
-    const Int4Rows<T> values{v.data_ptr<uint8_t>(), half(v_scale), half(v_min), sp, svp, nullptr, sop, Hkv, D,
-                             block_size, false};
-    attend_all(qp, keys, values, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out, B, H, Hkv, D,
-               tables.size(1), block_size);
+    const auto [keys, values] = pool.rows<T>();
+    attend_all(qp, keys, values, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out, q.size(0), q.size(1),
+               k.size(1), q.size(2), tables.size(1), block_size);
   };
   if (q.scalar_type() == at::kFloat)
     run(q.data_ptr<float>());
   else
     run(q.data_ptr<bf16>());
   return out;
+}
+
+// The keys and values of the int4 pool at `slots` [S] (int64), in `dtype` (the model's): what a prompt chunk's
+// attention reads, in one pass where the tensor ops took ~15.
+std::tuple<at::Tensor, at::Tensor> read_int4(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale,
+                                             const at::Tensor& k_min, const at::Tensor& v_scale,
+                                             const at::Tensor& v_min, const at::Tensor& side,
+                                             const at::Tensor& entry_of, const at::Tensor& sink_k,
+                                             const at::Tensor& sink_v, const at::Tensor& sink_of,
+                                             const at::Tensor& slots, int64_t block_size) {
+  const Int4Pool pool{k, v, k_scale, k_min, v_scale, v_min, side, entry_of, sink_k, sink_v, sink_of, block_size};
+  pool.check(side.scalar_type());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "read_int4 wants int64 slots [S]");
+  const int64_t S = slots.size(0), Hkv = k.size(1), D = 2 * k.size(2), V = D / 16;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "read_int4: slot ", sp[i], " is not in the pool");
+  at::Tensor keys = at::empty({S, Hkv, D}, side.options()), values = at::empty_like(keys);
+  auto run = [&](auto* kp, auto* vp) {
+    using T = std::remove_pointer_t<decltype(kp)>;
+    const auto [krows, vrows] = pool.rows<T>();
+    at::parallel_for(0, S * Hkv, 64, [&](int64_t r0, int64_t r1) {
+      f32x16 row[kMaxRow];
+      for (int64_t r = r0; r < r1; ++r) {
+        for (const auto& [src, out] : {std::pair{&krows, kp}, std::pair{&vrows, vp}}) {
+          src->load(sp[r / Hkv], r % Hkv, row, V, false);
+          for (int64_t j = 0; j < V; ++j)
+            for (int i = 0; i < 16; ++i) out[r * D + j * 16 + i] = T(row[j][i]);
+        }
+      }
+    });
+  };
+  if (side.scalar_type() == at::kFloat)
+    run(keys.data_ptr<float>(), values.data_ptr<float>());
+  else
+    run(keys.data_ptr<bf16>(), values.data_ptr<bf16>());
+  return {keys, values};
 }
 
 // The int4 KV cache's per-token values (fit() of leanlm/cache/int4.py over groups of 16 entries): x [R, C] float32,
@@ -1011,6 +1064,9 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("quantize_int4(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("read_int4(Tensor k, Tensor v, Tensor k_scale, Tensor k_min, Tensor v_scale, Tensor v_min, Tensor side, "
+        "Tensor entry_of, Tensor sink_k, Tensor sink_v, Tensor sink_of, Tensor slots, int block_size) -> "
+        "(Tensor, Tensor)");
   m.def("paged_attention_int4(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor k_min, Tensor v_scale, "
         "Tensor v_min, Tensor side, Tensor entry_of, Tensor sink_k, Tensor sink_v, Tensor sink_of, Tensor tables, "
         "Tensor lens, int block_size) -> Tensor");
@@ -1025,4 +1081,5 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("paged_attention_int4", paged_attention_int4);
   m.impl("quantize_int4", quantize_int4);
+  m.impl("read_int4", read_int4);
 }

@@ -9,6 +9,16 @@ from leanlm.cache.paged import KVPool
 from leanlm.cache.paged_attention import PagedStep
 from leanlm.models.config import ModelConfig
 
+@pytest.fixture(autouse=True, params=["kernels", "python"])
+def path(request, monkeypatch):
+    """Every test twice: with the C++ ops (reads, value grids, decode attention) where they build, and without
+    (the tensor-op definitions they replace)."""
+    if request.param == "python":
+        monkeypatch.setattr("leanlm.cache.int4.kernels.ops", lambda: None)
+        monkeypatch.setattr("leanlm.cache.paged_attention.kernels.ops", lambda: None)
+    return request.param
+
+
 CFG = ModelConfig(model_type="llama", vocab_size=128, hidden_size=128, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=64, max_position=256)
 BS = 4

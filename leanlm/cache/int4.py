@@ -27,7 +27,6 @@ least-squares ranges made it worse.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -39,11 +38,7 @@ from leanlm.errors import LeanLMError
 from leanlm.lowbit.hadamard import rotation
 from leanlm.models.config import ModelConfig
 
-GROUP = 16  # values: channels per (scale, minimum), or fewer where head_dim is no multiple of 16
-
-
-def group_size(head_dim: int) -> int:
-    return math.gcd(head_dim, GROUP)
+GROUP = 16  # values: channels per (scale, minimum); head_dim must be a multiple
 
 
 def fit(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +92,7 @@ class Int4KVPool(KVPool):
     of 16).
 
     k[layer], v[layer]: packed codes [slots, Hkv, D / 2] (uint8); k_scale, k_min [blocks, Hkv, D] and
-    v_scale, v_min [slots, Hkv, D / 32] (float16); side[layer] [open_blocks * block_size, Hkv, D] in the model dtype:
+    v_scale, v_min [slots, Hkv, D / 16] (float16); side[layer] [open_blocks * block_size, Hkv, D] in the model dtype:
     the keys of blocks still filling. Written step by step: `prepare` (once per step, with every slot the step
     writes) plans which blocks close, open and move between side entries; `write` then stores each layer's keys and
     values by that plan."""
@@ -109,7 +104,9 @@ class Int4KVPool(KVPool):
         if num_blocks < 2:
             raise LeanLMError(f"the KV cache budget holds {num_blocks} blocks of {block_size} tokens; give it more memory")
         D, H = cfg.head_dim, cfg.num_kv_heads
-        self.group = G = group_size(D)
+        if D % GROUP:
+            raise LeanLMError(f"the int4 KV cache quantizes values in groups of {GROUP} channels; this model's "
+                              f"head_dim {D} is not a multiple: use --kv-cache int8")
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.open_blocks = open_blocks = min(open_blocks, num_blocks)
         slots, layers = num_blocks * block_size, range(cfg.num_layers)
@@ -119,7 +116,7 @@ class Int4KVPool(KVPool):
 
         self.k, self.v = empty(slots, H, D // 2, dt=torch.uint8), empty(slots, H, D // 2, dt=torch.uint8)
         self.k_scale, self.k_min = empty(num_blocks, H, D), empty(num_blocks, H, D)
-        self.v_scale, self.v_min = empty(slots, H, D // G), empty(slots, H, D // G)
+        self.v_scale, self.v_min = empty(slots, H, D // GROUP), empty(slots, H, D // GROUP)
         self.side = empty(open_blocks * block_size, H, D, dt=dtype)
         self.value_basis = rotation(D).float().to(device)  # values are stored (and read) as v Q
         self.entry_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)  # block -> side entry, or -1
@@ -134,12 +131,12 @@ class Int4KVPool(KVPool):
         self._plan: _Plan | None = None
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = None, int8: bool = False) -> int:
+    def bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
         """Layers x kv heads x (keys: codes + a float16 scale and minimum per channel; values: codes + a float16
         scale and minimum per token and group)."""
         D = cfg.head_dim
         keys = block_size * D // 2 + 4 * D
-        values = block_size * (D // 2 + 4 * (D // group_size(D)))
+        values = block_size * (D // 2 + 4 * (D // GROUP))
         return cfg.num_layers * cfg.num_kv_heads * (keys + values)
 
     @staticmethod
@@ -249,7 +246,7 @@ class Int4KVPool(KVPool):
         block = next((b for b in self.open if b not in exclude), None)
         if block is None:
             raise LeanLMError(f"the int4 KV cache has {self.open_blocks} full-precision entries for blocks still "
-                              "filling, and one step fills more: raise open_blocks")
+                              "filling, and one step fills more: raise open_blocks (the engine: max_num_seqs)")
         entry, tokens = self.open[block]
         self._release(block)
         self.evicted[block] = tokens
@@ -277,17 +274,17 @@ class Int4KVPool(KVPool):
                 self._store_keys(layer, p.close_block, work[p.close_work])
             blocks[p.back_entry] = work[p.back_work]
         rotated = v.float() @ self.value_basis  # [N, H, D]
-        if self.group == 16 and (ops := kernels.ops() if rotated.device.type == "cpu" else None) is not None:
+        if (ops := kernels.ops() if rotated.device.type == "cpu" else None) is not None:
             codes, scale, low = ops.quantize_int4(rotated.view(N * H, D))
             codes, scale, low = codes.view(N, H, -1), scale.view(N, H, -1), low.view(N, H, -1)
         else:
-            codes, scale, low = fit(rotated.view(N, H, D // self.group, self.group), -1)
+            codes, scale, low = fit(rotated.view(N, H, D // GROUP, GROUP), -1)
             codes, scale, low = pack(codes.flatten(-2)), scale[..., 0], low[..., 0]
         self.v[layer].index_copy_(0, slots, codes)
         self.v_scale[layer].index_copy_(0, slots, scale)
         self.v_min[layer].index_copy_(0, slots, low)
         if len(p.sink_rows):
-            self.sink_k[layer][p.sink_entry] = k[p.sink_rows].to(self.dtype)
+            self.sink_k[layer][p.sink_entry] = k[p.sink_rows]
             self.sink_v[layer][p.sink_entry] = rotated[p.sink_rows].to(self.dtype)
 
     def _store_keys(self, layer: int, blocks: torch.Tensor, keys: torch.Tensor) -> None:
@@ -325,7 +322,7 @@ class Int4KVPool(KVPool):
         if bool(is_open.any()):
             side = self.side[layer][entry.clamp(min=0) * self.block_size + slots % self.block_size]
             keys = torch.where(is_open[..., None, None], side, keys)
-        codes = unpack(self.v[layer][slots]).unflatten(-1, (-1, self.group))
+        codes = unpack(self.v[layer][slots]).unflatten(-1, (-1, GROUP))
         values = codes * self.v_scale[layer][slots][..., None] + self.v_min[layer][slots][..., None]
         values = values.flatten(-2).to(self.dtype)
         sink = self.sink_of[slots // self.block_size]

@@ -7,6 +7,7 @@ import torch
 from leanlm.cache.int4 import GROUP, Int4KVPool, fit, pack, unpack
 from leanlm.cache.paged import KVPool
 from leanlm.cache.paged_attention import PagedStep
+from leanlm.errors import LeanLMError
 from leanlm.models.config import ModelConfig
 
 @pytest.fixture(autouse=True, params=["kernels", "python"])
@@ -168,6 +169,13 @@ def test_the_budget_buys_about_2_7_times_the_bfloat16_tokens():
     assert pool.nbytes <= 2**22 < pool.nbytes + per_block
     assert pool.nbytes == pool.num_blocks * per_block + Int4KVPool.side_bytes(CFG, 16, torch.bfloat16, 8)
     assert Int4KVPool.side_bytes(CFG, 16, torch.bfloat16, 8) == 8 * (16 + 2) * 2 * 2 * 64 * 2  # keys; sinks' k, v
+
+
+def test_a_head_size_the_value_groups_do_not_divide_is_refused():
+    from dataclasses import replace
+
+    with pytest.raises(LeanLMError, match="head_dim 24 is not a multiple"):
+        Int4KVPool(replace(CFG, head_dim=24), 8, BS, torch.float32)
 
 
 def test_attention_through_the_int4_pool_is_close_to_full_precision():

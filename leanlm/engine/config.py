@@ -37,8 +37,8 @@ class EngineConfig:
     max_num_seqs, max_num_batched_tokens: most sequences running together, most tokens fed in one step.
     prefix_caching: reuse the blocks of a prompt prefix computed before.
     kv_cache: "auto" (keys and values in the model's dtype), "int8" (a scale per token and head: about twice the
-        tokens in the same memory) or "int4" (KIVI: keys per channel, values per token; about 2.7x the bfloat16
-        tokens, the newest block's keys in full precision; read by gathering, not the paged-attention kernel).
+        tokens in the same memory) or "int4" (cache.int4, KIVI: keys per channel, values per token; about 2.7x the
+        bfloat16 tokens; each sequence's filling block's keys and first token exact, for max_num_seqs sequences).
     compile: decode-only steps as compiled graphs (fastest at few sequences; each batch bucket compiles once).
     deterministic: a request's output independent of its batch, chunking and speculation.
     prompt_lookup: speculate with n-grams of the context up to this size (0: off).

@@ -1,10 +1,12 @@
-"""Orthogonal rotations that spread outlier channels: Hadamard matrices (Sylvester's doubling of 1, 2 or a Paley
+"""Orthogonal rotations that spread outlier channels: Hadamard matrices (Sylvester's doubling of 1 or a Paley
 order) with random signs, or a random orthogonal matrix where no Hadamard matrix of the order is known here. Used
-by the offline rotation step (compress.quant.rotate) and the int4 KV cache (cache.int4)."""
+by the offline rotation step (compress.quant.rotate), its online rotation of down_proj's input (OnlineRotation,
+in the MLP) and the int4 KV cache (cache.int4)."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def _paley(q: int) -> torch.Tensor:
@@ -24,23 +26,35 @@ def _prime(n: int) -> bool:
     return n > 1 and all(n % p for p in range(2, int(n ** 0.5) + 1))
 
 
-def hadamard(n: int) -> torch.Tensor | None:
-    """A Hadamard matrix of order n (entries +-1, H H^T = n I) when n = m 2^k with m = 1, 2 or a Paley order, else
-    None  # [n, n] float64"""
+def _base(n: int) -> tuple[torch.Tensor, int] | None:
+    """(B, p): a Hadamard matrix B of order m (1 or a Paley order) and the power of two p with n = m p, or None"""
     for m in range(1, n + 1):
         if n % m or (n // m) & (n // m - 1):  # n / m must be a power of two
             continue
-        if m in (1, 2):
-            H = torch.ones(1, 1, dtype=torch.float64)
-        elif m % 4 == 0 and _prime(m - 1) and (m - 1) % 4 == 3:
-            H = _paley(m - 1)
-        else:
-            continue
-        H2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-        while H.shape[0] < n:
-            H = torch.kron(H, H2)
-        return H
+        if m == 1:
+            return torch.ones(1, 1, dtype=torch.float64), n
+        if m % 4 == 0 and _prime(m - 1) and (m - 1) % 4 == 3:
+            return _paley(m - 1), n // m
     return None
+
+
+def _sylvester(p: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of order p, a power of two  # [p, p] float64"""
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < p:
+        H = torch.kron(H, torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64))
+    return H
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order n (entries +-1, H H^T = n I) when n = m 2^k with m = 1 or a Paley order, else
+    None: B kron H_p (Sylvester's)  # [n, n] float64"""
+    base = _base(n)
+    return None if base is None else torch.kron(base[0], _sylvester(base[1]))
+
+
+def _signs(n: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
 
 
 def rotation(n: int, seed: int = 0) -> torch.Tensor:
@@ -51,5 +65,39 @@ def rotation(n: int, seed: int = 0) -> torch.Tensor:
     if H is None:
         Q, R = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
         return Q * torch.sign(torch.diagonal(R))  # a uniformly random orthogonal matrix
-    signs = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
-    return H * signs / n ** 0.5
+    return H * _signs(n, g) / n ** 0.5
+
+
+class OnlineRotation(nn.Module):
+    """x -> x @ rotation(n, seed) at run time (QuaRot's online Hadamard). Where rotation(n) is B kron H_p with
+    random signs, x is viewed as [..., m, p] and multiplied by B^T on the left and H_p on the right: n (m + p)
+    multiply-adds a row where the dense product takes n^2 (1536 = 12 x 128: 215k against 2.4M). In float32. The
+    matrices are made on first use on the input's device (a model is built on the meta device, then loaded) and
+    never saved: the seed in the model's config makes them."""
+
+    def __init__(self, n: int, seed: int):
+        super().__init__()
+        self.n, self.seed = n, seed
+        self._factors: dict[torch.device, tuple] = {}
+
+    def factors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(left, right, scale) on `device`: (B^T, H_p, signs / sqrt(n)), or (the dense matrix, None, None)"""
+        if device not in self._factors:
+            base = _base(self.n)
+            if base is None:
+                made = rotation(self.n, self.seed), None, None
+            else:
+                g = torch.Generator().manual_seed(self.seed)
+                made = base[0].T, _sylvester(base[1]), _signs(self.n, g) / self.n ** 0.5
+            self._factors[device] = tuple(None if t is None else t.float().to(device) for t in made)
+        return self._factors[device]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left, right, scale = self.factors(x.device)
+        if right is None:
+            return (x.float() @ left).to(x.dtype)
+        y = left @ x.float().unflatten(-1, (left.shape[0], -1)) @ right
+        return (y.flatten(-2) * scale).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, seed={self.seed}"

@@ -29,6 +29,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the seed of the Hadamard rotation down_proj's input gets at run time (QuaRot's online rotation, written by
+    # the `rotate` step with online: true; config.json's "leanlm_mlp_rotation"); None: none
+    mlp_rotation: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -76,6 +79,7 @@ class ModelConfig:
             tie_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
+            mlp_rotation=d.get("leanlm_mlp_rotation"),
         )
 
     @classmethod
@@ -91,6 +95,13 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def check_portable(self, runtime: str) -> None:
+        """Refuse to write the model for another runtime when it needs a piece only leanlm runs."""
+        if self.mlp_rotation is not None:
+            raise LeanLMError(f"{runtime} cannot run this model: its down_proj input is rotated at run time (the "
+                              "`rotate` step with online: true), which only leanlm does; rotate offline only to "
+                              "export it")
+
 
 def hf_config_dict(config: ModelConfig, base: dict) -> dict:
     """The source model's config.json dict `base` with the shape of `config` (e.g. after structured pruning).
@@ -102,6 +113,9 @@ def hf_config_dict(config: ModelConfig, base: dict) -> dict:
                num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
                num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
                tie_word_embeddings=config.tie_embeddings)
+    out.pop("leanlm_mlp_rotation", None)
+    if config.mlp_rotation is not None:
+        out["leanlm_mlp_rotation"] = config.mlp_rotation
     if isinstance(base.get("layer_types"), list):
         out["layer_types"] = base["layer_types"][: config.num_layers]
     if isinstance(base.get("max_window_layers"), int):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanlm import kernels
+from leanlm.lowbit.hadamard import OnlineRotation
 from leanlm.models.config import ModelConfig
 from leanlm.runtime import matmul_dtype
 
@@ -123,16 +124,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with one fused gate/up projection: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward with one fused gate/up projection: down(silu(gate(x)) * up(x)), or down(h Q) with h that
+    product when the model's config names an online rotation Q of down_proj's input (its weights then hold W Q)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.rotation = None if cfg.mlp_rotation is None else OnlineRotation(cfg.intermediate_size, cfg.mlp_rotation)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        h = F.silu(gate) * up
+        return self.down_proj(h if self.rotation is None else self.rotation(h))
 
 
 class Block(nn.Module):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from leanlm import pipeline
-from leanlm.compress.quant.rotate import rotate_model
-from leanlm.lowbit.hadamard import hadamard, rotation
+from leanlm.compress.quant.rotate import rotate_mlp_inputs, rotate_model
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.hadamard import OnlineRotation, hadamard, rotation
 from leanlm.lowbit.linear import W8A16Linear
 from leanlm.models.loading import load_model
 from tests.compress.test_gguf_export import logits, source  # noqa: F401 (the fixture)
@@ -72,6 +72,56 @@ def test_rotate_then_w8a8_saves_and_loads(source, tmp_path):  # noqa: F811
     torch.testing.assert_close(logits(again), logits(built.model))
     ref = logits(load_model(path, torch.float32))
     assert (logits(again) - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("n", [12, 64, 1536, 4864, 100])
+def test_the_online_rotation_is_the_dense_product(n):
+    """Kronecker factors (B^T on the left, Sylvester's H_p on the right, then the signs) where rotation(n) is a
+    Hadamard matrix (1536 = 12 x 128, 4864 = 152 x 32), the dense matrix where it is not (100)."""
+    x = torch.randn(3, 5, n, dtype=torch.float64)
+    torch.testing.assert_close(OnlineRotation(n, seed=4)(x.float()).double(), x @ rotation(n, seed=4),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_online_rotation_keeps_the_function_then_w8a8_saves_loads_and_refuses_export(source, tmp_path):  # noqa: F811
+    arch, path = source
+    model = load_model(path, torch.float32)
+    ref = logits(model)
+    rotate_model(model)
+    rotate_mlp_inputs(model, seed=2)
+    torch.testing.assert_close(logits(model), ref, atol=1e-4, rtol=1e-4)
+    assert all(b.mlp.rotation is not None for b in model.layers) and model.config.mlp_rotation == 2
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("- {method: rotate, online: true}\n- {method: rtn, bits: 8, act_bits: 8}\n")
+    built = pipeline.quantize(str(path), None, out=tmp_path / "out", recipe=recipe, dtype="float32")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["leanlm_mlp_rotation"] == 2
+    again = load_model(tmp_path / "out", torch.float32)
+    assert again.config.mlp_rotation == 2 and again.layers[0].mlp.rotation is not None
+    torch.testing.assert_close(logits(again), logits(built.model))
+    assert (logits(again) - ref).abs().max() < 0.1 * ref.abs().max()
+    from leanlm.compress.quant.export import export
+
+    with pytest.raises(LeanLMError, match="rotated at run time"):
+        export(again, tmp_path / "out", tmp_path / "ct")
+
+
+def test_smoothing_and_neuron_pruning_leave_a_rotated_mlp_input_alone(source, tmp_path):  # noqa: F811
+    """SmoothQuant and AWQ fold down_proj's scale into up's rows, which a run-time rotation sits behind: SmoothQuant
+    skips down_proj (the recipe still runs and keeps the function), neuron pruning refuses."""
+    arch, path = source
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("- {method: rotate, online: true}\n- {method: smoothquant, alpha: 0.5}\n")
+    built = pipeline.quantize(str(path), None, out=tmp_path / "sq", recipe=recipe, dtype="float32", samples=4,
+                              seq_len=16)
+    ref = logits(load_model(path, torch.float32))
+    assert (logits(built.model) - ref).abs().max() < 0.1 * ref.abs().max()
+    model = load_model(path, torch.float32)
+    rotate_mlp_inputs(model, seed=2)
+    from leanlm.compress.sparse.structured import Neurons, prune_neurons
+
+    with pytest.raises(LeanLMError, match="prune first, then rotate"):
+        prune_neurons(model, Neurons(intermediate_size=8), samples=torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_rotate_refuses_quantized_layers(source):  # noqa: F811

@@ -133,6 +133,9 @@ def apply_scales(block: nn.Module, scales: dict[str, torch.Tensor]) -> None:
     unknown = set(scales) - set(FOLDABLE)
     if unknown:
         raise LeanLMError(f"AWQ has no input to fold a scale of {sorted(unknown)} into; use {FOLDABLE}")
+    if "mlp.down_proj" in scales and mlp.rotation is not None:
+        raise LeanLMError("AWQ cannot fold a down_proj scale into up's rows: down_proj's input is rotated at run "
+                          "time (rotate online: true)")
     if "self_attn.o_proj" in scales and attn.n_kv != attn.n_heads:
         raise LeanLMError("AWQ cannot fold an o_proj scale into v under grouped-query attention "
                           f"({attn.n_heads} query heads share {attn.n_kv} value heads); leave o_proj unscaled")
@@ -203,7 +206,9 @@ def awq(model, config: AWQ, progress=None, samples=None) -> dict[str, dict]:
                                  group_size=group_for(linear.in_features, config.group_size))
                  for name, (linear, _) in linears.items()}
         Hs = {name: stats.value for name, (_, stats) in linears.items()}
-        scaled = ["self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+        scaled = ["self_attn.qkv_proj", "mlp.gate_up_proj"]
+        if block.mlp.rotation is None:  # a rotated input (rotate online: true) has no place to take 1/s
+            scaled.append("mlp.down_proj")
         if attn.n_kv == attn.n_heads:  # under GQA o_proj's input has no exact place to take 1/s
             scaled.append("self_attn.o_proj")
         scales = {}

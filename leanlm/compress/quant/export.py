@@ -95,6 +95,7 @@ def _pack(name: str, tensors: dict[str, torch.Tensor], bits: int) -> dict[str, t
 def export(model, source: Path, out: Path) -> dict:
     """Write `model` (a quantized Transformer) to `out` in the compressed-tensors layout, with the config and
     tokenizer files of `source`; return the quantization_config written."""
+    model.config.check_portable("compressed-tensors (vLLM, transformers)")
     layers = quantized_layers(model)
     if not layers:
         raise LeanLMError("the model has no quantized layers to export")

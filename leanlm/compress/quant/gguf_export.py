@@ -94,7 +94,7 @@ def encode_layer(m: torch.nn.Module, name: str, round_offsets: bool = False) -> 
                "fp8": "float8 weights"}.get(m.SCHEME, "this scheme")
         raise LeanLMError(f"{name} is {m.SCHEME}: GGUF has no type for {why}; GGUF export takes w8a16 (Q8_0) and "
                           "w4a16 (Q4_1) layers, e.g. from `leanlm quantize --bits 8` or `--bits 4`")
-    N, K = m.out_features, m.in_features
+    K = m.in_features
     if K % BLOCK:
         raise LeanLMError(f"{name}: in_features={K} is not a multiple of 32, the length of a GGUF block")
     ours = m.dequantized_weight().float()
@@ -315,6 +315,7 @@ def export_gguf(model, source: Path, out: Path, round_offsets: bool = False, mix
     """Write `model` (loaded from the directory `source`, whose tokenizer it takes) to the GGUF file `out`, atomically
     (a failed export leaves nothing); with a k-quant `mixture` (and `imatrix`), see gguf_tensors."""
     cfg = model.config
+    cfg.check_portable("GGUF (llama.cpp)")
     vocab = tokenizer_metadata(source, cfg.vocab_size)  # first: a tokenizer we cannot write fails before any work
     tensors, written = gguf_tensors(model, round_offsets, mixture, imatrix, progress)
     weights = [q for name, (q, _) in tensors.items() if name.endswith(".weight") and q != Q.F32]

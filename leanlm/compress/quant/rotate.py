@@ -12,6 +12,9 @@ is a plain Llama/Qwen2 model that exports and runs anywhere. A model whose lm_he
 gets its own lm_head (the final norm folds into it, not into the embedding): vocab x hidden more weights.
 Each head's values are rotated too (QuaRot's offline head rotation): v_proj's rows of a KV head by H_D^T, o_proj's
 columns of every query head reading it by H_D, so o_proj's input has no outlier channel within a head either.
+With online: true, down_proj's input (the SwiGLU product, whose outliers no offline rotation reaches) is rotated at
+run time as well (QuaRot's online Hadamard): down_proj's weights become W Q_I and the model's config names the seed
+of Q_I, which the MLP applies (lowbit.hadamard.OnlineRotation). Such a model runs in leanlm only: export refuses it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import nn
 
 from leanlm.compress.registry import register
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.hadamard import rotation
+from leanlm.lowbit.hadamard import OnlineRotation, rotation
 from leanlm.lowbit.linear import quantized_layers
 
 
@@ -72,6 +75,16 @@ def rotate_model(model: nn.Module, seed: int = 0, progress=None) -> torch.Tensor
     return Q
 
 
+@torch.no_grad()
+def rotate_mlp_inputs(model: nn.Module, seed: int) -> None:
+    """down_proj's input h -> h Q_I at run time, its weights W -> W Q_I: (h Q_I)(W Q_I)^T = h W^T."""
+    Q = rotation(model.config.intermediate_size, seed)
+    for block in model.layers:
+        _set(block.mlp.down_proj.weight, block.mlp.down_proj.weight.double() @ Q)
+        block.mlp.rotation = OnlineRotation(model.config.intermediate_size, seed)
+    model.config = replace(model.config, mlp_rotation=seed)
+
+
 def rotate_values(qkv: nn.Module, o_proj: nn.Module, Qh: torch.Tensor, heads: int, kv: int) -> None:
     """Each KV head's values v_h -> v_h Qh (its rows of qkv: Qh^T W, bias b Qh) and o_proj's columns of each query
     head W -> W Qh: softmax(.) v_h Qh Qh^T W^T is what it was  # Qh [D, D]"""
@@ -95,9 +108,14 @@ class Rotate:
     name: ClassVar[str] = "rotate"
     kind: ClassVar[str] = "quantize"
     seed: int = 0  # the random signs (or the random orthogonal matrix)
+    online: bool = False  # also rotate down_proj's input at run time (leanlm only; seed + 2)
 
 
 @register(Rotate)
 def rotate(model, config: Rotate, progress=None, samples=None) -> dict[str, dict]:
+    if config.online and model.config.mlp_rotation is not None:
+        raise LeanLMError("this model's down_proj input is rotated at run time already: give online: true once")
     rotate_model(model, config.seed, progress)
+    if config.online:
+        rotate_mlp_inputs(model, config.seed + 2)
     return {}  # the weights change, no layer's kind: the saved recipe names the step

@@ -126,6 +126,7 @@ def smooth(model: nn.Module, samples: torch.Tensor, alpha: float | None = None, 
     the folds wait until calibration has seen all blocks, so no block is calibrated on smoothed (re-rounded)
     predecessors. A searched alpha is scored on about KEPT_ROWS of each projection's calibration rows."""
     scales = {}  # block index -> {projection: (s [K], alpha)}, a few KB per block
+    smooth_down = smooth_down and model.config.mlp_rotation is None  # a rotated input: up's rows cannot take s
     keep_every = max(1, samples.numel() // KEPT_ROWS) if alpha is None else 0
 
     def solve(index, block, linears):

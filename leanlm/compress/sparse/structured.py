@@ -213,6 +213,9 @@ def prune_neurons(model, config: Neurons, progress=None, samples=None) -> dict[s
     activations that reach down_proj, calibrated layer by layer on the already pruned layers' outputs."""
     _check_float(model, config.name)
     cfg = model.config
+    if cfg.mlp_rotation is not None:
+        raise LeanLMError("neurons cannot be cut from an MLP whose down_proj input is rotated at run time (rotate "
+                          "online: true): prune first, then rotate")
     if config.intermediate_size is not None:
         if config.intermediate_size > cfg.intermediate_size:
             raise _shape_error("intermediate_size", config.intermediate_size, cfg.intermediate_size)

@@ -1,9 +1,10 @@
-"""Decode kernels on the zoo's shapes, two tables: matrix-vector products (leanlm's int8 kernel against torch's int8
-and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), and paged decode attention (leanlm's
-kernel over a bf16 and an int8 pool against gathering the keys and values for torch's SDPA, each as GB/s of KV
-read next to a streaming read of memory).
+"""Decode kernels on the zoo's shapes, three tables: matrix-vector products (leanlm's int8 kernel against torch's int8
+and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), paged decode attention (leanlm's
+kernel over a bf16, an int8 and an int4 pool against gathering the keys and values for torch's SDPA, each as GB/s
+of KV read next to a streaming read of memory), and the cost of QuaRot's online Hadamard on down_proj's input
+(`rotate` with online: true) next to down_proj itself.
 
-    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pa]
+    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pah]
 
 Weights and KV pools rotate through ~256 MB or more of copies (30 layers' pools) so that every call reads them from
 memory, as decode does.
@@ -19,7 +20,10 @@ from rich.console import Console
 from rich.table import Table
 
 from leanlm import kernels
+from leanlm.cache.int4 import Int4KVPool
+from leanlm.lowbit.hadamard import OnlineRotation
 from leanlm.lowbit.linear import pack_int4
+from leanlm.models.config import ModelConfig
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
           "lm_head": (49152, 576)}  # SmolLM2-135M, [N, K]
@@ -77,7 +81,7 @@ def attention(ops, args) -> None:
     stream = x.numel() * 4 / seconds(torch.sum, [(x,)], reps=10) / 1e9
     table = Table(title=f"paged decode attention, {args.threads} threads, 30 layers' pools, bf16 queries: "
                         f"microseconds a layer (GB/s of keys and values read; a streaming read: {stream:.1f} GB/s)")
-    for col in ("shape", "leanlm, bf16 pool", "leanlm, int8 pool", "gather + SDPA, bf16"):
+    for col in ("shape", "leanlm, bf16 pool", "leanlm, int8 pool", "leanlm, int4 pool", "gather + SDPA, bf16"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for name, H, Hkv, D, B, L in ATTENTION:
         bs, layers = 16, 30
@@ -88,6 +92,12 @@ def attention(ops, args) -> None:
         q = torch.randn(B, H, D, generator=g).bfloat16()
         pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(layers)]
         int8 = [[*quantize_per_token(k), *quantize_per_token(v)] for k, v in pools]
+        int4 = Int4KVPool(ModelConfig("llama", 8, H * D, 8, layers, H, Hkv, D, L), blocks, bs, torch.bfloat16,
+                          open_blocks=B)
+        every = torch.arange(blocks * bs)
+        int4.prepare(every)
+        for layer, (k, v) in enumerate(pools):
+            int4.write(layer, every, k, v)
         slots = (tables.long()[:, :, None] * bs + torch.arange(bs)).view(B, L)
 
         def gathered(q, k, v):
@@ -96,6 +106,8 @@ def attention(ops, args) -> None:
 
         runs = [(ops.paged_attention, [(q, k, v, tables, lens, bs) for k, v in pools], 2),
                 (ops.paged_attention, [(q, kq, vq, tables, lens, bs, ks, vs) for kq, ks, vq, vs in int8], 1 + 4 / D),
+                (ops.paged_attention_int4, [(q, *int4._tensors(i), tables, lens, bs) for i in range(layers)],
+                 Int4KVPool.bytes_per_block(int4_cfg(Hkv, D), bs) / (2 * bs * Hkv * D)),
                 (gathered, [(q, k, v) for k, v in pools], 2)]
         cells = []
         for fn, calls, nbytes in runs:
@@ -105,11 +117,37 @@ def attention(ops, args) -> None:
     Console(width=150).print(table)
 
 
+def int4_cfg(Hkv: int, D: int) -> ModelConfig:
+    """One layer of Hkv heads of D: what Int4KVPool.bytes_per_block reads."""
+    return ModelConfig("llama", 8, Hkv * D, 8, 1, Hkv, Hkv, D, 8)
+
+
+def online_hadamard(args) -> None:
+    """QuaRot's online rotation of down_proj's input (OnlineRotation: Kronecker factors) against down_proj's bf16
+    product on the same rows, and against the dense rotation it replaces."""
+    table = Table(title=f"online Hadamard on down_proj's input, {args.threads} threads, bf16 rows: microseconds "
+                        "(share of down_proj's time)")
+    for col in ("model", "rows", "down_proj (bf16)", "online rotation", "dense x @ Q"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name, d, n in (("smollm2-135m", 576, 1536), ("qwen2.5-coder-0.5b", 896, 4864)):
+        rotation, Q = OnlineRotation(n, seed=2), torch.randn(n, n)
+        weights = [torch.randn(d, n).bfloat16() for _ in range(8)]
+        for rows in (1, 32, 512):
+            xs = [torch.randn(rows, n).bfloat16() for _ in range(8)]
+            down = seconds(torch.nn.functional.linear, list(zip(xs, weights)))
+            online = seconds(rotation, [(x,) for x in xs])
+            dense = seconds(lambda x: (x.float() @ Q).bfloat16(), [(x,) for x in xs])
+            table.add_row(name, str(rows), f"{down * 1e6:.0f}", f"{online * 1e6:.0f} ({online / down:.0%})",
+                          f"{dense * 1e6:.0f} ({dense / down:.0%})")
+    Console(width=150).print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
-    ap.add_argument("--sections", default="pa", help="p: matrix-vector products, a: paged attention (default both)")
+    ap.add_argument("--sections", default="pah", help="p: matrix-vector products, a: paged attention, h: the online "
+                    "Hadamard (default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -117,6 +155,8 @@ def main() -> None:
         products(ops, args)
     if "a" in args.sections:
         attention(ops, args)
+    if "h" in args.sections:
+        online_hadamard(args)
 
 
 if __name__ == "__main__":

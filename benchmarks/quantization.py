@@ -49,6 +49,9 @@ VARIANTS = {
     "rotate+smoothquant-w8a8": ["--recipe", "- method: rotate\n- method: smoothquant\n"],
     "rotate+gptq-w4a16-g128": ["--recipe", "- method: rotate\n- {method: gptq, group_size: 128}\n",
                                "--lm-head", "16"],
+    # and with QuaRot's online Hadamard on down_proj's input (leanlm-only models)
+    "rotate-online+rtn-w8a8": ["--recipe", "- {method: rotate, online: true}\n- {method: rtn, bits: 8, act_bits: 8}\n"],
+    "rotate-online+smoothquant-w8a8": ["--recipe", "- {method: rotate, online: true}\n- method: smoothquant\n"],
 }  # fp8 is left out: on CPU its weights are upcast on the fly, 25-45x slower than bf16 (see FP8Linear)
 CALIBRATED = ("gptq", "awq", "smoothquant")
 SPEED = ("bf16", "fp16", "rtn-w8a16", "rtn-w8a16+head8", "rtn-w4a16-g128", "rtn-w4a16-g128+head8",
@@ -94,6 +97,8 @@ def quality_table(model: str, args) -> Table:
             "smoothquant-w8a8": ("rtn-w8a8", 0.5, "gap <= 1/2 naive W8A8's"),
             "rotate+rtn-w8a8": ("smoothquant-w8a8", 0.5, "gap <= 1/2 SmoothQuant's"),
             "rotate+smoothquant-w8a8": ("smoothquant-w8a8", 0.5, "gap <= 1/2 SmoothQuant's"),
+            "rotate-online+rtn-w8a8": ("smoothquant-w8a8", 0.5, "gap <= 1/2 SmoothQuant's"),
+            "rotate-online+smoothquant-w8a8": ("smoothquant-w8a8", 0.5, "gap <= 1/2 SmoothQuant's"),
         }
         if v not in checks or checks[v][0] not in gap:
             return ""

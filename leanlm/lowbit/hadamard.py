@@ -96,7 +96,8 @@ class OnlineRotation(nn.Module):
         left, right, scale = self.factors(x.device)
         if right is None:
             return (x.float() @ left).to(x.dtype)
-        y = left @ x.float().unflatten(-1, (left.shape[0], -1)) @ right
+        y = x.float().unflatten(-1, (left.shape[0], -1)) @ right  # [..., m, p]: one GEMM of all rows' m x p
+        y = (y.transpose(-1, -2) @ left.T).transpose(-1, -2)  # B^T y, again as one GEMM
         return (y.flatten(-2) * scale).to(x.dtype)
 
     def extra_repr(self) -> str:

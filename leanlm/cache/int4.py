@@ -274,7 +274,7 @@ class Int4KVPool(KVPool):
                 self._store_keys(layer, p.close_block, work[p.close_work])
             blocks[p.back_entry] = work[p.back_work]
         rotated = v.float() @ self.value_basis  # [N, H, D]
-        if (ops := kernels.ops() if rotated.device.type == "cpu" else None) is not None:
+        if (ops := self._ops()) is not None:
             codes, scale, low = ops.quantize_int4(rotated.view(N * H, D))
             codes, scale, low = codes.view(N, H, -1), scale.view(N, H, -1), low.view(N, H, -1)
         else:
@@ -305,6 +305,11 @@ class Int4KVPool(KVPool):
         blocks = slots // self.block_size
         return (unpack(self.k[layer][slots]) * self.k_scale[layer][blocks] + self.k_min[layer][blocks]).to(self.dtype)
 
+    def _ops(self):
+        """leanlm's C++ ops where they read and write this pool (CPU, a float32 or bfloat16 model), else None."""
+        on_cpu = self.entry_of.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        return kernels.ops() if on_cpu else None
+
     def _tensors(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The layer's pool as the C++ int4 ops take it."""
         return (self.k[layer], self.v[layer], self.k_scale[layer], self.k_min[layer], self.v_scale[layer],
@@ -313,7 +318,7 @@ class Int4KVPool(KVPool):
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at these slots in the model dtype (keys of open blocks from the side pool); the values in
         the rotated basis (v Q: attention over them gives its output times Q)"""
-        if (ops := kernels.ops() if slots.device.type == "cpu" else None) is not None:
+        if (ops := self._ops()) is not None:
             keys, values = ops.read_int4(*self._tensors(layer), slots.reshape(-1).contiguous(), self.block_size)
             return keys.view(*slots.shape, *keys.shape[1:]), values.view(*slots.shape, *values.shape[1:])
         keys = self._keys(layer, slots)

@@ -171,6 +171,17 @@ def test_the_budget_buys_about_2_7_times_the_bfloat16_tokens():
     assert Int4KVPool.side_bytes(CFG, 16, torch.bfloat16, 8) == 8 * (16 + 2) * 2 * 2 * 64 * 2  # keys; sinks' k, v
 
 
+def test_a_float16_pool_reads_back_what_it_was_given():
+    """The C++ passes take float32 and bfloat16 pools; a float16 model's pool runs the tensor-op path."""
+    pool = Int4KVPool(CFG, 8, BS, torch.float16)
+    k, v = keys_values(6, seed=8)
+    write(pool, list(range(6)), k.half(), v.half(), firsts=[0])
+    keys, values = pool.read(1, torch.arange(6))
+    assert keys.dtype == values.dtype == torch.float16
+    assert torch.equal(keys[0], k[0].half()) and torch.equal(keys[4:], k[4:].half())  # first token, open block
+    assert (keys[1:4].float() - naive_keys(k[:4].half().float())[1:]).abs().max() < 0.05
+
+
 def test_a_head_size_the_value_groups_do_not_divide_is_refused():
     from dataclasses import replace
 

@@ -5,6 +5,8 @@ in the MLP) and the int4 KV cache (cache.int4)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -68,32 +70,31 @@ def rotation(n: int, seed: int = 0) -> torch.Tensor:
     return H * _signs(n, g) / n ** 0.5
 
 
+@functools.lru_cache(maxsize=None)
+def _online_factors(n: int, seed: int, device: torch.device) -> tuple:
+    """OnlineRotation's (left, right, scale) on `device`: (B^T, H_p, signs / sqrt(n)), or (the dense rotation, None,
+    None) where no Hadamard matrix of order n is known here"""
+    base = _base(n)
+    if base is None:
+        made = rotation(n, seed), None, None
+    else:
+        made = base[0].T, _sylvester(base[1]), _signs(n, torch.Generator().manual_seed(seed)) / n ** 0.5
+    return tuple(None if t is None else t.float().to(device) for t in made)
+
+
 class OnlineRotation(nn.Module):
     """x -> x @ rotation(n, seed) at run time (QuaRot's online Hadamard). Where rotation(n) is B kron H_p with
     random signs, x is viewed as [..., m, p] and multiplied by B^T on the left and H_p on the right: n (m + p)
     multiply-adds a row where the dense product takes n^2 (1536 = 12 x 128: 215k against 2.4M). In float32. The
-    matrices are made on first use on the input's device (a model is built on the meta device, then loaded) and
-    never saved: the seed in the model's config makes them."""
+    matrices are made on first use on the input's device (a model is built on the meta device, then loaded), once
+    for all the layers that share (n, seed), and never saved: the seed in the model's config makes them."""
 
     def __init__(self, n: int, seed: int):
         super().__init__()
         self.n, self.seed = n, seed
-        self._factors: dict[torch.device, tuple] = {}
-
-    def factors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(left, right, scale) on `device`: (B^T, H_p, signs / sqrt(n)), or (the dense matrix, None, None)"""
-        if device not in self._factors:
-            base = _base(self.n)
-            if base is None:
-                made = rotation(self.n, self.seed), None, None
-            else:
-                g = torch.Generator().manual_seed(self.seed)
-                made = base[0].T, _sylvester(base[1]), _signs(self.n, g) / self.n ** 0.5
-            self._factors[device] = tuple(None if t is None else t.float().to(device) for t in made)
-        return self._factors[device]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        left, right, scale = self.factors(x.device)
+        left, right, scale = _online_factors(self.n, self.seed, x.device)
         if right is None:
             return (x.float() @ left).to(x.dtype)
         y = x.float().unflatten(-1, (left.shape[0], -1)) @ right  # [..., m, p]: one GEMM of all rows' m x p

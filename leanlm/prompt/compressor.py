@@ -26,7 +26,7 @@ from leanlm.cache.static import StaticCache
 from leanlm.errors import LeanLMError
 from leanlm.models.loading import load
 
-METHODS = ("llmlingua", "longllmlingua", "selective", "random")
+METHODS = ("llmlingua", "longllmlingua", "classifier", "selective", "random")
 NUMBER = r"\d+(?:[.,:]\d+)*"
 IDENTIFIER = r"\b[A-Za-z_]\w*(?=\()|\b[A-Za-z]*_\w*|\b[a-z]+[A-Z]\w*"  # called, snake_case, camelCase
 TINY = 16  # prompts of fewer tokens pass through unchanged
@@ -50,6 +50,18 @@ class Compressed:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ratio": self.ratio}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What `PromptCompressor.decide` chose: the remaining prompt as token texts and ids, which to keep (None: all,
+    the prompt passes through), by which method, of how many tokens in the whole prompt."""
+
+    pieces: list[str]
+    ids: list[int]
+    keep: torch.Tensor | None
+    method: str
+    total: int
 
 
 # ---- pure pieces ------------------------------------------------------------------------------------------------
@@ -262,22 +274,41 @@ class PromptCompressor:
         if model is None:
             model = load(scorer, dtype, device, progress=progress)
         self.net, self.tok = model
-        self.name = scorer
+        self.name, self.progress = scorer, progress
+        self._classifier = None
+
+    @property
+    def classifier(self):
+        """The one-pass keep/drop classifier made from this scorer (prompt/classifier.py), loaded on first use."""
+        if self._classifier is None:
+            from leanlm.prompt.classifier import load_classifier  # it trains on this compressor's decisions
+            self._classifier = load_classifier(self, progress=self.progress)
+        return self._classifier
 
     def count(self, text: str) -> int:
         return len(self.tok.encode_spans(text)[0])
 
-    @torch.inference_mode()
-    def compress(self, context: str | list[str], *, question: str = "", instruction: str = "",
-                 rate: float | None = 0.5, target_tokens: int | None = None, method: str = "llmlingua",
-                 force=(), keep_numbers: bool = True, keep_identifiers: bool = False, instruction_rate: float = 1.0,
-                 question_rate: float = 1.0, coarse: float = 1.5, segment: int = 200, whole_words: bool = True,
-                 quotas: str = "even", min_unit: int = 0, seed: int = 0) -> Compressed:
+    def compress(self, context: str | list[str], **options) -> Compressed:
         """The prompt `instruction` + `context` + `question` (parts separated by a blank line) cut to `rate` of its
-        tokens, or to `target_tokens`. A list `context` is documents, each a unit of the coarse pass.
+        tokens, or to `target_tokens` (the options are `decide`'s)."""
+        begin = time.perf_counter()
+        d = self.decide(context, **options)
+        text = "".join(d.pieces) if d.keep is None else join(d.pieces, d.keep.tolist())
+        return Compressed(text, d.total, d.total if d.keep is None else self.count(text),
+                          time.perf_counter() - begin, d.method)
+
+    @torch.inference_mode()
+    def decide(self, context: str | list[str], *, question: str = "", instruction: str = "",
+               rate: float | None = 0.5, target_tokens: int | None = None, method: str = "llmlingua",
+               force=(), keep_numbers: bool = True, keep_identifiers: bool = False, instruction_rate: float = 1.0,
+               question_rate: float = 1.0, coarse: float = 1.5, segment: int = 200, whole_words: bool = True,
+               quotas: str = "even", min_unit: int = 0, seed: int = 0) -> Decision:
+        """Which tokens of the prompt `instruction` + `context` + `question` (parts separated by a blank line) to
+        keep, `rate` of them or `target_tokens`. A list `context` is documents, each a unit of the coarse pass.
         method: llmlingua (units ranked by the question's perplexity given them when there is a question, tokens by
         perplexity), longllmlingua (the same units, tokens by contrastive perplexity against the question),
-        selective (Selective Context) or random.
+        classifier (one pass of a keep/drop classifier trained on llmlingua's decisions, LLMLingua-2's way: see
+        prompt/classifier.py), selective (Selective Context) or random.
         force: strings that must survive, as must numbers (keep_numbers) and code names (keep_identifiers).
         coarse: the coarse pass keeps units worth `coarse` x the context's budget (0: none). 1.5, not the paper's
         2: it kept the answer better at 2x and 10x and as well at 5x on benchmarks/prompt_compression.py, and
@@ -297,7 +328,6 @@ class PromptCompressor:
             raise LeanLMError(f"quotas must be 'even' or 'adaptive', not {quotas!r}")
         if method == "longllmlingua" and not question:
             raise LeanLMError("longllmlingua scores tokens against a question: give one, or use llmlingua")
-        begin = time.perf_counter()
         p = _Prompt(context, instruction, question, self.count, min_unit)
         spans = [self.tok.encode_spans(part) for part in p.parts]
         n = [len(ids) for ids, _ in spans]
@@ -309,7 +339,9 @@ class PromptCompressor:
         if target_tokens <= 0 and total >= TINY:
             raise LeanLMError(f"target_tokens must be positive, not {target_tokens}")
         if total < TINY or target_tokens >= total:
-            return Compressed("".join(p.parts), total, total, time.perf_counter() - begin, "none")
+            cuts = [(i, s, e) for i in range(len(p.parts)) for s, e in zip([0] + spans[i][1][:-1], spans[i][1])]
+            return Decision([p.parts[i][s:e] for i, s, e in cuts], [t for ids, _ in spans for t in ids], None, "none",
+                            total)
         n_ctx = sum(n[i] for i in p.ctx)
         keep_ins, keep_ctx, keep_que = budget((n[0] if instruction else 0, n_ctx, n[-1] if question else 0),
                                               target_tokens, instruction_rate, question_rate)
@@ -336,9 +368,8 @@ class PromptCompressor:
                                     question if method == "longllmlingua" else "", word_of if whole_words else None,
                                     (sizes[0], sizes[0] + sizes[1]) if quotas == "adaptive" else None)
         else:
-            keep = self._baseline(ids, forced, plan(lengths, rates, len(ids))[0], word_of, method, seed)
-        text = join(pieces, keep.tolist())
-        return Compressed(text, total, self.count(text), time.perf_counter() - begin, method)
+            keep = self._baseline(ids, forced, plan(lengths, rates, len(ids))[0], word_of, method, seed, pieces)
+        return Decision(pieces, ids, keep, method, total)
 
     def _unit_scores(self, units: list[list[int]], question: str) -> list[float]:
         """Higher is more worth keeping: the unit's perplexity (LLMLingua), or with a question the negative
@@ -409,25 +440,38 @@ class PromptCompressor:
                     stream.commit(kept)
         return keep
 
-    def _baseline(self, ids, forced, groups, word_of, method, seed) -> torch.Tensor:
-        """Selective Context or random dropping over each group (instruction, context, question) at once, keeping
-        as many tokens as the token pass would."""
+    def _baseline(self, ids, forced, groups, word_of, method, seed, pieces) -> torch.Tensor:
+        """One pass over each group (instruction, context, question) at once, keeping as many tokens as the token
+        pass would: the classifier's words by their tokens' mean keep probability, Selective Context's by
+        self-information, or random tokens. The kept text tokenizes to more tokens than were kept where words
+        join across a dropped gap, so the selection shrinks until the text's own count meets the budget (the
+        scores are made once; a few recounts cost little)."""
         if method == "random":
             score = torch.rand(len(ids), generator=torch.Generator().manual_seed(seed))
+        elif method == "classifier":
+            index = torch.tensor(word_of)
+            score = self.classifier.keep_probability(ids) / torch.bincount(index)[index]  # summed by word: the mean
         else:
             limit = self.net.config.max_position
             windows = [ids[a:a + limit] for a in range(0, len(ids), limit)]
             score = torch.cat([torch.cat([torch.full((1,), 1e9), nll])  # a window's first token: unpredicted
                                for nll in self._batch_nll(windows, [1] * len(windows))])
-        keep = torch.zeros(len(ids), dtype=torch.bool)
-        for lo, hi, k in groups:
-            if lo == hi:
-                continue
-            if method == "random":
-                keep[lo:hi] = select(score[lo:hi], k, forced[lo:hi])
-            else:
-                keep[lo:hi] = selective_context(score[lo:hi], [w - word_of[lo] for w in word_of[lo:hi]], k,
-                                                forced[lo:hi])
+        budget_tokens, scale = sum(k for _, _, k in groups), 1.0
+        for _ in range(4):
+            keep = torch.zeros(len(ids), dtype=torch.bool)
+            for lo, hi, k in groups:
+                if lo == hi:
+                    continue
+                k = k if k == hi - lo else round(k * scale)  # verbatim parts stay verbatim
+                if method == "random":
+                    keep[lo:hi] = select(score[lo:hi], k, forced[lo:hi])
+                else:
+                    keep[lo:hi] = selective_context(score[lo:hi], [w - word_of[lo] for w in word_of[lo:hi]], k,
+                                                    forced[lo:hi])
+            counted = self.count(join(pieces, keep.tolist()))
+            if counted <= budget_tokens:
+                break
+            scale *= budget_tokens / counted
         return keep
 
 

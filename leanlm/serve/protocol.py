@@ -23,7 +23,7 @@ class CompressPrompt(BaseModel):
     rate: float | None = Field(default=None, gt=0, le=1)
     target_tokens: int | None = Field(default=None, gt=0)
     question: str = ""
-    method: Literal["llmlingua", "longllmlingua", "selective", "random"] = "llmlingua"
+    method: Literal["llmlingua", "longllmlingua", "classifier", "selective", "random"] = "llmlingua"
     force: list[str] = []
     keep_numbers: bool = True
     keep_identifiers: bool = False

@@ -55,8 +55,10 @@ class Recipe:
     lr: float = 3e-3
     seed: int = 0
 
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self)).encode()).hexdigest()[:12]
+    def digest(self, net) -> str:
+        """The recipe's and the scorer's (a sample of its embedding: two models under one name differ)."""
+        sample = net.embed_tokens.weight[::max(1, net.config.vocab_size // 64)].float().cpu().numpy().tobytes()
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self)).encode() + sample).hexdigest()[:12]
 
 
 class KeepClassifier(nn.Module):
@@ -92,13 +94,13 @@ class KeepClassifier(nn.Module):
         return torch.cat(out).float().sigmoid().cpu()
 
 
-def classifier_dir(scorer: str, recipe: Recipe) -> Path:
-    return cache_dir() / "prompt-classifiers" / f"{Path(scorer).name}-{recipe.digest()}"
+def classifier_dir(compressor, recipe: Recipe) -> Path:
+    return cache_dir() / "prompt-classifiers" / f"{Path(compressor.name).name}-{recipe.digest(compressor.net)}"
 
 
 def load_classifier(compressor, recipe: Recipe = Recipe(), progress: bool = True) -> KeepClassifier:
     """The compressor's classifier: from the cache, or trained now and cached."""
-    folder = classifier_dir(compressor.name, recipe)
+    folder = classifier_dir(compressor, recipe)
     model = KeepClassifier(compressor.net, recipe.layers, recipe.window)
     if not (folder / "model.safetensors").exists():
         state = train(compressor, recipe, progress)

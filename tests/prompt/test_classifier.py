@@ -26,12 +26,12 @@ def scorer(tmp_path_factory):
 
 
 def test_made_once_by_its_recipe_and_cached(scorer):
-    folder = classifier_dir(scorer.name, TINY)
+    folder = classifier_dir(scorer, TINY)
     assert json.loads((folder / "recipe.json").read_text()) == {"scorer": scorer.name, **json.loads(
         json.dumps(dataclasses.asdict(TINY)))}
     again = load_classifier(scorer, TINY, progress=False)  # from the cache: the same weights
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), scorer.classifier.state_dict().values()))
-    assert classifier_dir(scorer.name, dataclasses.replace(TINY, epochs=7)) != folder
+    assert classifier_dir(scorer, dataclasses.replace(TINY, epochs=7)) != folder
 
 
 def test_learns_the_iterative_pass_decisions(scorer):

@@ -51,8 +51,9 @@ def serve(
                                           "batch-size bucket up to --max-num-seqs built before the server answers "
                                           "(10-35 s each on 2 cores)")] = False,
     prompt_scorer: Annotated[str, typer.Option(help="the small model that compresses the prompts of requests that ask "
-                                                    "for it (\"leanlm\": {\"compress_prompt\": {\"rate\": 0.5}}); "
-                                                    "loaded on first use")] = "smollm2-135m",
+                                                    "for it (\"leanlm\": {\"compress_prompt\": {\"rate\": 0.5}}; "
+                                                    "\"auto\": true compresses only where the measured break-even "
+                                                    "says it pays); loaded on first use")] = "smollm2-135m",
     replicas: Annotated[int, typer.Option(help="engine replicas behind one endpoint on Ray Serve (leanlm[ray])")] = 1,
     ray_address: Annotated[Optional[str], typer.Option(help="an existing Ray cluster for the replicas, or "
                                                             "`local` (default: a new local instance)")] = None,

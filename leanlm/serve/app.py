@@ -202,7 +202,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     app.state.active = 0  # HTTP requests admitted and not yet answered in full
     metrics = Metrics(llm.engine, model_name)
     tok = llm.tokenizer
-    compression = PromptCompression(prompt_scorer)
+    compression = PromptCompression(prompt_scorer, llm.engine.model)
     app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)

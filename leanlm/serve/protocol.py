@@ -23,14 +23,17 @@ class CompressPrompt(BaseModel):
     rate: float | None = Field(default=None, gt=0, le=1)
     target_tokens: int | None = Field(default=None, gt=0)
     question: str = ""
-    method: Literal["llmlingua", "longllmlingua", "classifier", "selective", "random"] = "llmlingua"
+    method: Literal["llmlingua", "longllmlingua", "classifier", "selective", "random"] | None = None
     force: list[str] = []
     keep_numbers: bool = True
     keep_identifiers: bool = False
+    auto: bool = False  # only where it pays: the prompt at least as long as the measured break-even
 
     def options(self) -> dict:
-        """PromptCompressor.compress's keyword arguments (rate 0.5 unless a rate or target is given)."""
-        return {**self.model_dump(), "force": tuple(self.force), "rate": self.rate or 0.5}
+        """PromptCompressor.compress's keyword arguments (rate 0.5 unless a rate or target is given; the method
+        llmlingua, or with auto the classifier, the one that pays from the shortest prompts)."""
+        return {**self.model_dump(exclude={"auto"}), "force": tuple(self.force), "rate": self.rate or 0.5,
+                "method": self.method or ("classifier" if self.auto else "llmlingua")}
 
 
 class LeanLMOptions(BaseModel):

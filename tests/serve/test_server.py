@@ -177,6 +177,27 @@ def test_compress_prompt_field_cuts_the_prompt_and_reports_both_sizes(server, ti
     assert plain.usage.prompt_tokens == len(tok.encode(context)) and "original_prompt_tokens" not in plain.usage.model_extra
 
 
+def test_compress_prompt_auto_compresses_only_where_the_measured_break_even_says_it_pays(server, tiny):
+    """auto: the costs are measured once; a prompt at least break_even_tokens long is compressed, a shorter one
+    goes to the engine as sent; keeping everything (rate 1) never pays."""
+    _, tok = tiny
+    c = client(server)
+    context = "the quick brown fox jumps over the lazy dog 42 times. hello world, hello there. " * 12
+    for prompt in (context, context[:200]):
+        r = c.completions.create(model=NAME, prompt=prompt, max_tokens=1, extra_body={
+            "leanlm": {"compress_prompt": {"auto": True, "method": "random", "rate": 0.3}}})
+        extra, n = r.usage.model_extra, len(tok.encode(prompt))
+        assert extra["original_prompt_tokens"] == n and extra["break_even_tokens"] is not None
+        if extra["compressed_prompts"]:
+            assert n >= extra["break_even_tokens"] and r.usage.prompt_tokens < n
+        else:
+            assert n < extra["break_even_tokens"] and r.usage.prompt_tokens == n
+    never = c.completions.create(model=NAME, prompt=context, max_tokens=1, extra_body={
+        "leanlm": {"compress_prompt": {"auto": True, "method": "random", "rate": 1.0}}})
+    assert never.usage.model_extra["compressed_prompts"] == 0 and never.usage.model_extra["break_even_tokens"] is None
+    assert never.usage.prompt_tokens == len(tok.encode(context))
+
+
 def test_api_key_metrics_and_health(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "hi"},
                    headers={"Authorization": "Bearer wrong"})

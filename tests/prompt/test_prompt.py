@@ -220,3 +220,19 @@ def test_bad_options_fail_clearly(compressor):
         compressor.compress(TEXT, target_tokens=0)
     with pytest.raises(LeanLMError, match="no room"):
         compressor.compress(TEXT, question="a long question " * 20, rate=0.05)
+
+
+def test_bm25_against_its_formula():
+    """Okapi BM25 by hand for a three-unit collection: idf log(1 + (N - n + 0.5) / (n + 0.5)), k1 1.2, b 0.75."""
+    from leanlm.prompt.compressor import bm25
+
+    units = ["the cat sat", "the dog ran far away", "a cat and a cat"]
+    lengths, average = [3, 5, 5], 13 / 3
+    idf = {"cat": math.log(1 + (3 - 2 + 0.5) / 2.5), "dog": math.log(1 + (3 - 1 + 0.5) / 1.5)}
+
+    def term(f, length, word):
+        return idf[word] * f * 2.2 / (f + 1.2 * (0.25 + 0.75 * length / average))
+
+    expected = [term(1, lengths[0], "cat"), term(1, lengths[1], "dog"), term(2, lengths[2], "cat")]
+    assert bm25(units, "Cat? DOG!") == pytest.approx(expected)
+    assert bm25(units, "unicorn") == [0.0, 0.0, 0.0]

@@ -23,6 +23,7 @@ import json
 import random
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,10 +104,14 @@ def load_classifier(compressor, recipe: Recipe = Recipe(), progress: bool = True
     folder = classifier_dir(compressor, recipe)
     model = KeepClassifier(compressor.net, recipe.layers, recipe.window)
     if not (folder / "model.safetensors").exists():
+        start = time.perf_counter()
         state = train(compressor, recipe, progress)
         with atomic_dir(folder) as tmp:
             save_file(state, tmp / "model.safetensors")
             (tmp / "recipe.json").write_text(json.dumps({"scorer": compressor.name, **dataclasses.asdict(recipe)}))
+        if progress:
+            Console(file=sys.stderr).print(f"prompt classifier: made in {time.perf_counter() - start:.0f} s, "
+                                           f"cached in {folder}")
     state = load_file(folder / "model.safetensors", device=str(compressor.net.device))
     model.load_state_dict({k: v.to(compressor.net.dtype) for k, v in state.items()})
     return model.eval().requires_grad_(False)

@@ -26,6 +26,7 @@ import torch
 from leanlm.cache.static import StaticCache
 from leanlm.errors import LeanLMError
 from leanlm.models.loading import load
+from leanlm.prompt.classifier import load_classifier
 
 METHODS = ("llmlingua", "longllmlingua", "classifier", "selective", "random")
 NUMBER = r"\d+(?:[.,:]\d+)*"
@@ -299,7 +300,6 @@ class PromptCompressor:
     def classifier(self):
         """The one-pass keep/drop classifier made from this scorer (prompt/classifier.py), loaded on first use."""
         if self._classifier is None:
-            from leanlm.prompt.classifier import load_classifier  # it trains on this compressor's decisions
             self._classifier = load_classifier(self, progress=self.progress)
         return self._classifier
 

@@ -175,7 +175,7 @@ def compress_prompt(
     method: Annotated[str, typer.Option(help="llmlingua (units, question-aware with --question, then tokens by "
                                              "perplexity given the compressed prefix), longllmlingua (tokens by "
                                              "contrastive perplexity against --question), classifier (one pass "
-                                             "of a keep/drop classifier trained on llmlingua's choices, 10-30x "
+                                             "of a keep/drop classifier trained on llmlingua's choices, 25-30x "
                                              "faster; made on first use, ~4 min on 2 cores, then cached), "
                                              "selective (Selective Context, the baseline) or random")] = "llmlingua",
     scorer: Annotated[str, typer.Option(help="the small model that scores tokens: zoo name or directory")]

@@ -116,15 +116,11 @@ def bm25(units: list[str], query: str, k1: float = 1.2, b: float = 0.75) -> list
     terms = [re.findall(r"\w+", u.lower()) for u in units]
     average = sum(map(len, terms)) / max(len(terms), 1) or 1.0
     counts = [collections.Counter(t) for t in terms]
-    scores = []
-    for t, c in zip(terms, counts):
-        score = 0.0
-        for q in set(re.findall(r"\w+", query.lower())):
-            n = sum(q in other for other in counts)
-            idf = math.log(1 + (len(units) - n + 0.5) / (n + 0.5))
-            score += idf * c[q] * (k1 + 1) / (c[q] + k1 * (1 - b + b * len(t) / average)) if c[q] else 0.0
-        scores.append(score)
-    return scores
+    query_terms = sorted(set(re.findall(r"\w+", query.lower())))  # in order: the same sums in every process
+    idf = {q: math.log(1 + (len(units) - n + 0.5) / (n + 0.5)) for q in query_terms
+           for n in [sum(q in c for c in counts)]}
+    return [sum(w * c[q] * (k1 + 1) / (c[q] + k1 * (1 - b + b * len(t) / average)) for q, w in idf.items() if c[q])
+            for t, c in zip(terms, counts)]
 
 
 def cumulative(lengths: list[int], rates: list[float]):

@@ -343,7 +343,8 @@ def main() -> None:
     rng = random.Random(0)
     methods, ratios = args.methods.split(","), [int(r) for r in args.ratios.split(",")]
     compressors = Compressors(PromptCompressor(args.scorer), args.threads)
-    compressors.scorer.classifier  # made (or read from the cache) before anything is timed
+    if "classifier" in [m.partition(":")[0] for m in methods]:
+        compressors.scorer.classifier  # made (or read from the cache) before anything is timed
     target = Target(args.target)
     target.prefill_seconds("warm up")
     if args.tasks:

@@ -76,10 +76,10 @@ class KeepClassifier(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Keep logits  # tokens [B, T] -> [B, T]"""
-        cos, sin = self.rope(torch.arange(tokens.shape[1], device=tokens.device)[None])
         x = self.embed(tokens).to(self.head.weight.dtype)
+        cos, sin = (t.to(x.dtype) for t in self.rope(torch.arange(tokens.shape[1], device=tokens.device)[None]))
         for block in self.layers:
-            x = block(x, cos.to(x.dtype), sin.to(x.dtype), None, None, False)
+            x = block(x, cos, sin, None, None, False)
         return self.head(self.norm(x)).squeeze(-1)
 
     @torch.inference_mode()

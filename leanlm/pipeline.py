@@ -35,6 +35,7 @@ from leanlm.fetch import atomic_dir
 from leanlm.lowbit.record import is_quantized, note_pruning
 from leanlm.models.loading import load
 from leanlm.models.zoo import resolve
+from leanlm.runtime import follow_parent
 
 # progress(step name, ticks expected or None) -> the callback the step calls once per layer done
 Progress = Callable[[str, "int | None"], Callable[[str], None]]
@@ -219,6 +220,7 @@ def prune(model: str | Path, method: str | None = None, *, out: str | Path, reci
 
 
 if __name__ == "__main__":  # one recipe in this process: the sweep's isolated build
+    follow_parent()
     verb, args = {"quantize": quantize, "prune": prune}[sys.argv[1]], json.loads(sys.argv[2])
     try:
         verb(args.pop("model"), **args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import sys
 import time
 
 import torch
@@ -74,6 +75,28 @@ def parse_memory(size: str | int | float, device: torch.device) -> int:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+PARENT_ENV = "LEANLM_PARENT_PID"  # set by a leanlm process for the leanlm processes it starts
+
+
+def child_env(env: dict | None = None) -> dict:
+    """`env` (default: this process's) for a leanlm process started from this one, which follows it (follow_parent)."""
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
+
+
+def follow_parent() -> None:
+    """In a process started with child_env (a variant server of `optimize`, a sweep's build): end by SIGTERM when
+    the parent ends, even by SIGKILL (Linux's parent-death signal), so that no orphan keeps serving or building."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the parent ended before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def set_threads(n: int) -> None:

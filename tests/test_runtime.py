@@ -1,4 +1,7 @@
 import mmap
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -66,3 +69,35 @@ def test_a_child_reports_its_own_peak_memory_not_its_parents():
             "print(peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
     own, inherited = map(float, subprocess.check_output([sys.executable, "-c", code], text=True).split())
     assert inherited > 1024 and own < 700 and len(ballast) == 2**30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_server_started_by_a_leanlm_process_ends_when_that_process_is_killed(tiny_dir, tmp_path):
+    """`optimize` serves each variant from a child process: killed with SIGKILL, it must not leave that server
+    running (follow_parent)."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from leanlm.bench.serve import LocalServer\n"
+        f"with LocalServer.leanlm({str(tiny_dir)!r}, 'tiny', ['--kv-cache-memory', '16MiB']) as server:\n"
+        "    print(server.proc.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.time() + 60
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from leanlm.errors import LeanLMError
+from leanlm.runtime import child_env
 
 
 @dataclass
@@ -239,7 +240,7 @@ class LocalServer:
 
     def __enter__(self) -> LocalServer:
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(self.command, env=child_env(self.env), stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -7,6 +7,7 @@ import sys
 from leanlm.cli import optimize, generate, measure, compress, prune, distill, distill_data, serve, analyze, plan  # noqa: F401, I001  (each registers its verbs, in help order)
 from leanlm.cli.common import app, err
 from leanlm.errors import LeanLMError
+from leanlm.runtime import follow_parent
 
 
 def _default_lookup(argv: list[str]) -> list[str]:
@@ -19,6 +20,7 @@ def _default_lookup(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
+    follow_parent()
     args = _default_lookup(sys.argv[1:])
     if args[:2] == ["bench", "serve"]:  # `bench MODEL` measures one model; `bench serve` a server under load
         args = ["bench-serve", *args[2:]]

@@ -39,7 +39,7 @@ from leanlm.models.loading import load
 from leanlm.models.zoo import resolve
 from leanlm.optimize.served import measure_served, serve_args, served_utilization
 from leanlm.optimize.variants import Variant, digest
-from leanlm.runtime import cpu_count
+from leanlm.runtime import child_env, cpu_count
 from leanlm.tokenizer import Tokenizer
 
 
@@ -226,7 +226,7 @@ class Sweep:
                     "samples": s.samples, "seq_len": s.seq_len, "dtype": variant.dtype, "data": s.data or None}
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "leanlm.pipeline", verb, json.dumps(args)],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env=child_env())
             seconds = time.perf_counter() - start
             if proc.returncode:
                 raise LeanLMError(f"building variant {variant.name} failed: {last_line(proc.stderr) or 'no message'}")

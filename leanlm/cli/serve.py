@@ -16,6 +16,7 @@ from leanlm.bench.workload import read_prompts
 from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, app, err, out
 from leanlm.engine import AsyncLLM, EngineConfig
 from leanlm.engine.config import check_kv_cache
+from leanlm.prompt.compressor import METHODS
 from leanlm.serve import serve as run_server
 from leanlm.serve.ray import serve_replicas
 
@@ -54,6 +55,12 @@ def serve(
                                                     "for it (\"leanlm\": {\"compress_prompt\": {\"rate\": 0.5}}; "
                                                     "\"auto\": true compresses only where the measured break-even "
                                                     "says it pays); loaded on first use")] = "smollm2-135m",
+    prepare_compression: Annotated[Optional[str], typer.Option(help="make this compression method ready before the "
+                                                                    "server answers (e.g. classifier: the scorer "
+                                                                    "loaded, the classifier made on first use, ~4 "
+                                                                    "min on 2 cores, then cached, and the break-even "
+                                                                    "for auto measured), not inside the first "
+                                                                    "request that asks for it")] = None,
     replicas: Annotated[int, typer.Option(help="engine replicas behind one endpoint on Ray Serve (leanlm[ray])")] = 1,
     ray_address: Annotated[Optional[str], typer.Option(help="an existing Ray cluster for the replicas, or "
                                                             "`local` (default: a new local instance)")] = None,
@@ -71,12 +78,16 @@ def serve(
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           prompt_lookup=prompt_lookup, draft=draft, num_speculative=num_speculative,
                           deterministic=deterministic, compile=compile)
+    if prepare_compression is not None and prepare_compression not in METHODS:
+        _fail(f"--prepare-compression must be one of {', '.join(METHODS)}, got {prepare_compression!r}")
     if replicas > 1 or ray_address:
         serve_replicas(model, name, replicas, host, port, api_key, max_requests, config, ray_address,
-                       prompt_scorer=prompt_scorer, max_n=max_n, dtype=dtype, device=device, threads=threads)
+                       prompt_scorer=prompt_scorer, max_n=max_n, prepare_compression=prepare_compression,
+                       dtype=dtype, device=device, threads=threads)
         return
     llm = AsyncLLM(model, config=config, dtype=dtype, device=device, threads=threads)
-    run_server(llm, name, host, port, api_key, max_requests, prompt_scorer=prompt_scorer, max_n=max_n)
+    run_server(llm, name, host, port, api_key, max_requests, prompt_scorer=prompt_scorer, max_n=max_n,
+               prepare_compression=prepare_compression)
 
 
 @app.command("bench-serve", hidden=True)  # `leanlm bench serve ...` (main() rewrites it to this verb)

@@ -9,7 +9,7 @@ from leanlm.engine.llm import AsyncLLM
 
 def serve(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_requests: int = 512, log_level: str = "info", drain_seconds: int = 60,
-          prompt_scorer: str = "smollm2-135m", max_n: int = 16) -> None:
+          prompt_scorer: str = "smollm2-135m", max_n: int = 16, prepare_compression: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM: then stop accepting, let requests in flight finish (up to drain_seconds), stop the
     engine and return."""
     # uvicorn, and fastapi under leanlm.serve.app: heavy, only a running server needs them (the CLI imports this
@@ -18,7 +18,7 @@ def serve(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8
 
     from leanlm.serve.app import build_app
 
-    app = build_app(llm, model_name, api_key, max_requests, prompt_scorer, max_n)
+    app = build_app(llm, model_name, api_key, max_requests, prompt_scorer, max_n, prepare_compression)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_seconds,
                             log_config=_log_config())
     try:

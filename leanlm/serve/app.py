@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -193,16 +194,20 @@ class _Guard:
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_requests: int = 512,
-              prompt_scorer="smollm2-135m", max_n: int = 16) -> FastAPI:
+              prompt_scorer="smollm2-135m", max_n: int = 16, prepare_compression: str | None = None) -> FastAPI:
     """max_requests: HTTP requests in progress beyond which new ones get 503 and Retry-After (the queue is bounded
     here, not left to grow in the engine). prompt_scorer: the model that compresses prompts that ask for it (the
     "leanlm": {"compress_prompt": {...}} field), loaded on first use, or a PromptCompressor. max_n: the most
-    completions one request may ask for."""
+    completions one request may ask for. prepare_compression: a compression method made ready (its models loaded
+    or made, its break-even measured) before this returns, so that no request waits on it."""
     app = FastAPI(title="leanlm", docs_url=None, redoc_url=None)
     app.state.active = 0  # HTTP requests admitted and not yet answered in full
     metrics = Metrics(llm.engine, model_name)
     tok = llm.tokenizer
     compression = PromptCompression(prompt_scorer, llm.engine.model)
+    if prepare_compression:
+        seconds = compression.prepare(prepare_compression, tok)
+        print(f"leanlm: prompt compression ({prepare_compression}) ready in {seconds:.1f} s", file=sys.stderr)
     app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)

@@ -97,6 +97,15 @@ class PromptCompression:
             result = await asyncio.to_thread(compressor.compress, text, **options.options())
         return result.text, result.seconds
 
+    def prepare(self, method: str, tok) -> float:
+        """Before the server answers: the scorer loaded, `method`'s model made or loaded (the classifier trains on
+        first use) and its break-even measured, so that no request waits on them. Returns the seconds it took."""
+        start = time.perf_counter()
+        if self.compressor is None:
+            self.compressor = PromptCompressor(self.scorer, progress=True)
+        self.costs[method] = self._measure(self.compressor, method, tok)
+        return time.perf_counter() - start
+
     async def break_even(self, method: str, tok) -> BreakEven:
         """The costs for `method`, measured on first use (the classifier made first if it is not yet cached)."""
         async with self.lock:

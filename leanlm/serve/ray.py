@@ -29,9 +29,9 @@ def _replica_class():
     @serve.ingress()
     class LeanLMReplica:
         def __init__(self, model: str, name: str, api_key: str | None, max_requests: int, config: EngineConfig,
-                     load_options: dict, prompt_scorer: str, max_n: int):
+                     load_options: dict, prompt_scorer: str, max_n: int, prepare_compression: str | None):
             self.llm = AsyncLLM(model, config=config, **load_options)
-            self.app_args = name, api_key, max_requests, prompt_scorer, max_n
+            self.app_args = name, api_key, max_requests, prompt_scorer, max_n, prepare_compression
 
         def __serve_build_asgi_app__(self):
             return build_app(self.llm, *self.app_args)
@@ -45,7 +45,7 @@ def _replica_class():
 def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1", port: int = 8000,
                    api_key: str | None = None, max_requests: int = 512, config: EngineConfig | None = None,
                    ray_address: str | None = None, blocking: bool = True, prompt_scorer: str = "smollm2-135m",
-                   max_n: int = 16, **load_options) -> None:
+                   max_n: int = 16, prepare_compression: str | None = None, **load_options) -> None:
     """Start `replicas` engines on Ray Serve behind http://host:port (a local Ray instance unless ray_address).
     config: every replica's engine (a draft in it by name: each replica loads its own); load_options: AsyncLLM's
     (dtype, device, threads, quiet)."""
@@ -69,7 +69,7 @@ def serve_replicas(model: str, name: str, replicas: int, host: str = "127.0.0.1"
                                   ray_actor_options={"num_cpus": options["threads"]},
                                   max_ongoing_requests=max_requests)
     serve.run(deployment.bind(model, name, api_key, max_requests, config or EngineConfig(), options, prompt_scorer,
-                              max_n), name=APP_NAME, route_prefix="/", blocking=blocking)
+                              max_n, prepare_compression), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
 def shutdown() -> None:

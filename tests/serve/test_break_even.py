@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from leanlm.serve.prompts import BreakEven, fit
+from leanlm.serve.prompts import BreakEven, PromptCompression, fit
 
 
 def naive_pays_from(be: BreakEven, rate: float, limit: int = 300_000) -> float:
@@ -35,3 +35,17 @@ def test_fits_pass_through_their_points():
     c0, c = fit((256, 1024), (0.02, 0.05), False)
     assert c0 + 256 * c == pytest.approx(0.02) and c0 + 1024 * c == pytest.approx(0.05)
     assert fit((256, 1024), (0.5, 0.4), False) == (0.5, 0.0)  # never a negative cost per token
+
+
+def test_prepare_measures_before_any_request(tiny):
+    """--prepare-compression: the costs measured up front are the ones every auto request then uses."""
+    import asyncio
+
+    from leanlm.prompt.compressor import PromptCompressor
+
+    net, tok = tiny
+    compression = PromptCompression(PromptCompressor(model=tiny), net)
+    assert compression.prepare("random", tok) > 0
+    measured = compression.costs["random"]
+    assert isinstance(measured, BreakEven) and measured.a > 0
+    assert asyncio.run(compression.break_even("random", tok)) is measured

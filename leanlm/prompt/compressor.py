@@ -110,6 +110,25 @@ def coarse_select(scores: list[float], lengths: list[int], tokens: int, must: li
     return keep
 
 
+def graded_rates(lengths: list[int], scores: list[float], tokens: int, spread: float) -> list[float]:
+    """Keep rates for units of `lengths` that hold `tokens` in all: the best-scoring unit `spread` above the level
+    and the worst `spread` below it, linearly by rank between (LongLLMLingua's dynamic compression ratio), each
+    clipped to [0, 1]; the level is found by bisection."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    offset = [0.0] * len(scores)
+    for r, i in enumerate(order):
+        offset[i] = spread * (1 - 2 * r / (len(scores) - 1)) if len(scores) > 1 else 0.0
+
+    def rates(level: float) -> list[float]:
+        return [min(max(level + o, 0.0), 1.0) for o in offset]
+
+    lo, hi = -spread, 1.0 + spread
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(n * r for n, r in zip(lengths, rates(mid))) < tokens else (lo, mid)
+    return rates(hi)
+
+
 def bm25(units: list[str], query: str, k1: float = 1.2, b: float = 0.75) -> list[float]:
     """Okapi BM25 relevance of each unit to the query, the units being the collection (lower-cased word terms;
     idf as Lucene's, log(1 + (N - n + 0.5) / (n + 0.5)), never negative)."""
@@ -316,7 +335,7 @@ class PromptCompressor:
                rate: float | None = 0.5, target_tokens: int | None = None, method: str = "llmlingua",
                force=(), keep_numbers: bool = True, keep_identifiers: bool = False, instruction_rate: float = 1.0,
                question_rate: float = 1.0, coarse: float = 1.5, segment: int = 200, whole_words: bool = True,
-               quotas: str = "even", min_unit: int = 0, seed: int = 0) -> Decision:
+               quotas: str = "even", min_unit: int = 0, dynamic: float | None = None, seed: int = 0) -> Decision:
         """Which tokens of the prompt `instruction` + `context` + `question` (parts separated by a blank line) to
         keep, `rate` of them or `target_tokens`. A list `context` is documents, each a unit of the coarse pass.
         method: llmlingua (units ranked by the question's perplexity given them when there is a question, tokens by
@@ -331,6 +350,9 @@ class PromptCompressor:
         min_unit: the coarse pass's units are paragraphs joined until they hold this many tokens (0: each
         paragraph one unit); fewer units cost fewer copies of the question in that pass (128: ~30% less time on
         benchmarks/prompt_compression.py, but the answer kept worse at 3x and 5x, so 0 by default).
+        dynamic: the units that remain keep rates graded by their rank, the most relevant `dynamic` above the
+        level and the least `dynamic` below it (LongLLMLingua's dynamic compression ratio; None: 0.3, the value
+        the LongLLMLingua paper and package use, for longllmlingua and the classifier with a question, else 0).
         instruction_rate, question_rate: what those parts keep (1: verbatim).
         whole_words: the token pass keeps or drops whole words, by the sum of their tokens' scores, as Selective
         Context does (dropping a word's middle piece garbles it); False: single tokens, as LLMLingua does.
@@ -361,14 +383,19 @@ class PromptCompressor:
         keep_ins, keep_ctx, keep_que = budget((n[0] if instruction else 0, n_ctx, n[-1] if question else 0),
                                               target_tokens, instruction_rate, question_rate)
         chars = [forced_chars(part, force, keep_numbers, keep_identifiers) for part in p.parts]
-        kept = p.ctx
+        kept, score_of = p.ctx, {}
+        if dynamic is None:
+            dynamic = 0.3 if method == "longllmlingua" or method == "classifier" and question else 0.0
         ranked = method.endswith("llmlingua") or method == "classifier" and question  # units: a coarse pass
-        if ranked and coarse and len(p.ctx) > 1 and coarse * keep_ctx < n_ctx:
+        pruned = coarse and coarse * keep_ctx < n_ctx
+        if ranked and len(p.ctx) > 1 and (pruned or dynamic):
             scores = bm25([p.parts[i] for i in p.ctx], question) if method == "classifier" else \
                 self._unit_scores([spans[i][0] for i in p.ctx], question)
-            keep = coarse_select(scores, [n[i] for i in p.ctx], math.ceil(coarse * keep_ctx),
-                                 [any(chars[i]) for i in p.ctx])
-            kept = [i for i, k in zip(p.ctx, keep) if k]
+            score_of = dict(zip(p.ctx, scores))
+            if pruned:
+                keep = coarse_select(scores, [n[i] for i in p.ctx], math.ceil(coarse * keep_ctx),
+                                     [any(chars[i]) for i in p.ctx])
+                kept = [i for i, k in zip(p.ctx, keep) if k]
         separated = p.separated | set(kept[-1:] if question else ())  # the blank line before the question
         roles = [[0] * bool(instruction), kept, [len(p.parts) - 1] * bool(question)]
         order = [i for role in roles for i in role]
@@ -378,7 +405,12 @@ class PromptCompressor:
         forced = torch.tensor([any(chars[i][c] and not p.parts[i][c].isspace() for c in range(s, e))
                                or (i in separated and e > len(p.parts[i]) - 2) for i, s, e in cuts], dtype=torch.bool)
         sizes = [sum(n[i] for i in role) for role in roles]  # instruction, context, question
-        lengths, rates = map(list, zip(*[(m, k / m) for m, k in zip(sizes, (keep_ins, keep_ctx, keep_que)) if m]))
+        unit_rates = graded_rates([n[i] for i in kept], [score_of[i] for i in kept], keep_ctx, dynamic) \
+            if dynamic and score_of and len(kept) > 1 else [keep_ctx / sizes[1]] * len(kept)
+        parts = [(n[i], r) for i, r in zip(kept, unit_rates)]
+        parts = [(sum(m for m, _ in run), r) for r, run in itertools.groupby(parts, key=lambda x: x[1])]
+        parts = [(sizes[0], keep_ins / max(sizes[0], 1)), *parts, (sizes[2], keep_que / max(sizes[2], 1))]
+        lengths, rates = map(list, zip(*[(m, r) for m, r in parts if m]))  # neighbouring units at one rate: one part
         pieces = [p.parts[i][s:e] for i, s, e in cuts]
         ends = list(itertools.accumulate(len(t) for t in pieces))
         word_of = words("".join(pieces), [0] + ends[:-1], ends)

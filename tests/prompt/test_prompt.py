@@ -1,5 +1,6 @@
 """Prompt compression: the pure pieces against their definitions, then the whole pipeline on a tiny model."""
 
+import itertools
 import math
 import re
 
@@ -13,6 +14,7 @@ from leanlm.prompt.compressor import (
     coarse_select,
     cumulative,
     forced_chars,
+    graded_rates,
     join,
     plan,
     quota,
@@ -50,6 +52,15 @@ def test_coarse_select_keeps_the_best_units_until_the_budget_is_reached():
     assert coarse_select([1.0, 5.0, 3.0], [10, 10, 10], 0) == [False, False, False]
     assert coarse_select([2.0, 1.0], [5, 5], 100) == [True, True]
     assert coarse_select([1.0, 5.0, 3.0], [10, 10, 10], 15, must=[True, False, False]) == [True, True, False]
+
+
+def test_graded_rates_step_linearly_by_rank_and_hold_the_budget():
+    rates = graded_rates([10, 10, 10], [1.0, 3.0, 2.0], 15, 0.2)  # ranks 2, 0, 1: level 0.5 -/+ 0.2
+    assert rates == pytest.approx([0.3, 0.7, 0.5])
+    rates = graded_rates([10, 30, 20], [5.0, 1.0, 3.0], 30, 0.6)  # clipped at 1 and 0, the level moves to hold 30
+    assert all(0 <= r <= 1 for r in rates) and rates[0] == 1.0 and rates[0] - rates[2] <= 0.6 + 1e-9
+    assert sum(n * r for n, r in zip([10, 30, 20], rates)) == pytest.approx(30, abs=1e-6)
+    assert graded_rates([10, 20], [1.0, 2.0], 15, 0.0) == pytest.approx([0.5, 0.5])
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -198,6 +209,15 @@ def test_question_instruction_and_documents(compressor):
                                   method=method)
         assert out.text.startswith("answer briefly\n\n") and out.text.endswith("\n\nwhat does f return?")
         assert abs(out.compressed_tokens / out.original_tokens - 0.4) <= 0.04
+    # graded by rank (longllmlingua's default): each unit keeps its rank's rate, the rate still met
+    lengths = [len(compressor.tok.encode_spans(doc + "\n\n")[0]) for doc in docs]
+    d = compressor.decide(docs, question="what does f return?", rate=0.6, method="longllmlingua", coarse=0,
+                          dynamic=0.3, keep_numbers=False)
+    ends = list(itertools.accumulate(lengths))
+    shares = [d.keep[a:b].float().mean().item() for a, b in zip([0] + ends[:-1], ends)]
+    context = round(0.6 * len(d.ids)) - (len(d.ids) - sum(lengths))  # the question is kept whole
+    assert any(shares == pytest.approx(graded_rates(lengths, scores, context, 0.3), abs=1 / min(lengths))
+               for scores in itertools.permutations(range(3)))  # one of the ranks' orders, each unit within a token
 
 
 def test_a_tiny_or_empty_prompt_passes_through(compressor):

@@ -144,20 +144,19 @@ class PromptCompression:
                 text = prompt
             else:
                 raise LeanLMError("compress_prompt needs text prompts, not token ids")
+            whole = text.rstrip("\n") + "\n\n" + options.question if options.question else text  # as compressed
             if options.auto:
-                n = len(tok.encode(text, add_special_tokens=False))
+                n = len(tok.encode(whole, add_special_tokens=False))
                 rate = options.target_tokens / n if options.target_tokens else options.options()["rate"]
                 pays = (await self.break_even(options.options()["method"], tok)).pays_from(min(rate, 1.0))
                 usage["break_even_tokens"] = round(pays) if math.isfinite(pays) else None
-                if n < pays:
-                    out.append(prompt)
-                    continue
-                usage["compressed_prompts"] = usage.get("compressed_prompts", 0) + 1
-            text, s = await self.compress(text, options)
-            seconds += s
+                usage["compressed_prompts"] = usage.get("compressed_prompts", 0) + (n >= pays)
+            if options.auto and n < pays:
+                text = whole  # sent whole, the question after the text where compression puts it
+            else:
+                text, s = await self.compress(text, options)
+                seconds += s
             out.append([*prompt[:users[-1]], {**prompt[users[-1]], "content": text}, *prompt[users[-1] + 1:]]
                        if chat else text)
         original = sum(len(encode_prompt(tok, p, chat)) for p in prompts)
-        if options.auto:
-            usage.setdefault("compressed_prompts", 0)
         return out, {"original_prompt_tokens": original, "compression_seconds": round(seconds, 4), **usage}

@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
@@ -196,6 +195,10 @@ def test_compress_prompt_auto_compresses_only_where_the_measured_break_even_says
         "leanlm": {"compress_prompt": {"auto": True, "method": "random", "rate": 1.0}}})
     assert never.usage.model_extra["compressed_prompts"] == 0 and never.usage.model_extra["break_even_tokens"] is None
     assert never.usage.prompt_tokens == len(tok.encode(context))
+    # a question the client gave apart still reaches the model, where compression would have put it
+    asked = c.completions.create(model=NAME, prompt=context, max_tokens=1, extra_body={
+        "leanlm": {"compress_prompt": {"auto": True, "method": "random", "rate": 1.0, "question": "how many?"}}})
+    assert asked.usage.prompt_tokens == len(tok.encode(context.rstrip("\n") + "\n\nhow many?"))
 
 
 def test_api_key_metrics_and_health(server):

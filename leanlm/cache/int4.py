@@ -146,9 +146,11 @@ class Int4KVPool(KVPool):
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, memory: int, block_size: int, dtype: torch.dtype, device=None,
-                    open_blocks: int = 256) -> Int4KVPool:
-        """As many blocks as `memory` bytes hold besides the side pool."""
-        blocks = (memory - cls.side_bytes(cfg, block_size, dtype, open_blocks)) // cls.bytes_per_block(cfg, block_size)
+                    open_blocks: int = 256, extra_per_block: int = 0) -> Int4KVPool:
+        """As many blocks as `memory` bytes hold besides the side pool, each also costing `extra_per_block` (as
+        KVPool.from_budget)."""
+        left = max(memory - cls.side_bytes(cfg, block_size, dtype, open_blocks), 0)
+        blocks = left // (cls.bytes_per_block(cfg, block_size) + extra_per_block)
         return cls(cfg, blocks, block_size, dtype, device, open_blocks)
 
     @property

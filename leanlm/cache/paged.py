@@ -59,9 +59,11 @@ class KVPool:
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, memory: int, block_size: int, dtype: torch.dtype, device=None,
-                    int8: bool = False) -> KVPool:
-        """As many blocks as `memory` bytes hold."""
-        return cls(cfg, memory // cls.bytes_per_block(cfg, block_size, dtype, int8), block_size, dtype, device, int8)
+                    int8: bool = False, extra_per_block: int = 0) -> KVPool:
+        """As many blocks as `memory` bytes hold, each also costing `extra_per_block` (a draft model's blocks, kept
+        block for block beside these)."""
+        per_block = cls.bytes_per_block(cfg, block_size, dtype, int8) + extra_per_block
+        return cls(cfg, memory // per_block, block_size, dtype, device, int8)
 
     @property
     def nbytes(self) -> int:

@@ -33,17 +33,10 @@ def _pool(model: Transformer, config: EngineConfig, memory: int, draft: Transfor
     """The KV pool `memory` bytes buy: the model's blocks in the configured storage, and as many of the draft's
     (its own dtype) block for block; an int4 pool also holds full-precision keys for one open block a sequence."""
     cfg, bs, dtype = model.config, config.block_size, model.dtype
+    draft_bytes = KVPool.bytes_per_block(draft.config, bs, draft.dtype) if draft is not None else 0
     if config.kv_cache == "int4":
-        open_blocks = config.max_num_seqs
-        per_block = Int4KVPool.bytes_per_block(cfg, bs)
-        memory -= Int4KVPool.side_bytes(cfg, bs, dtype, open_blocks)
-    else:
-        per_block = KVPool.bytes_per_block(cfg, bs, dtype, config.int8_kv)
-    if draft is not None:
-        per_block += KVPool.bytes_per_block(draft.config, bs, draft.dtype)
-    if config.kv_cache == "int4":
-        return Int4KVPool(cfg, max(memory, 0) // per_block, bs, dtype, model.device, open_blocks)
-    return KVPool(cfg, memory // per_block, bs, dtype, model.device, config.int8_kv)
+        return Int4KVPool.from_budget(cfg, memory, bs, dtype, model.device, config.max_num_seqs, draft_bytes)
+    return KVPool.from_budget(cfg, memory, bs, dtype, model.device, config.int8_kv, draft_bytes)
 
 
 class Engine:

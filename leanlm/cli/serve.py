@@ -35,6 +35,10 @@ def serve(
     max_n: Annotated[int, typer.Option(help="most completions (n) one request may ask for")] = 16,
     max_num_seqs: Annotated[int, typer.Option(help="most sequences decoded together")] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step (prompt chunks fill it)")] = 1024,
+    max_prefill_tokens: Annotated[int, typer.Option(help="most prompt tokens in a step that also decodes (0: what "
+                                                         "--max-num-batched-tokens leaves); fewer keep the running "
+                                                         "requests' time per token steady while new ones arrive, "
+                                                         "at the cost of the new ones' time to first token")] = 0,
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget (e.g. 2GiB, or 0.3 of free memory)")] = "2GiB",
     kv_cache: KVCache = "auto",
     max_requests: Annotated[int, typer.Option(help="requests in progress beyond which new ones get 503")] = 512,
@@ -76,6 +80,7 @@ def serve(
     name = served_model_name or Path(model).name  # a directory's path stays private to the server
     config = EngineConfig(kv_cache_memory=kv_cache_memory, kv_cache=check_kv_cache(kv_cache, "--kv-cache"),
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_prefill_tokens=max_prefill_tokens,
                           prompt_lookup=prompt_lookup, draft=draft, num_speculative=num_speculative,
                           deterministic=deterministic, compile=compile)
     if prepare_compression is not None and prepare_compression not in METHODS:

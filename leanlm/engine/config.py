@@ -35,6 +35,9 @@ class EngineConfig:
         starts (0.3); a draft model's keys and values come out of it too.
     block_size: tokens per KV block (the unit of allocation and of prefix sharing).
     max_num_seqs, max_num_batched_tokens: most sequences running together, most tokens fed in one step.
+    max_prefill_tokens: most prompt tokens in a step that also decodes (0: what max_num_batched_tokens leaves); a
+        smaller share keeps the decoding sequences' time per token steady while prompts arrive, at the cost of the
+        new requests' time to first token.
     prefix_caching: reuse the blocks of a prompt prefix computed before.
     kv_cache: "auto" (keys and values in the model's dtype), "int8" (a scale per token and head: about twice the
         tokens in the same memory) or "int4" (cache.int4, KIVI: keys per channel, values per token; about 2.7x the
@@ -50,6 +53,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
+    max_prefill_tokens: int = 0
     prefix_caching: bool = True
     kv_cache: str = "auto"
     compile: bool = False
@@ -64,7 +68,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise LeanLMError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("prompt_lookup", "num_speculative"):
+        for name in ("prompt_lookup", "num_speculative", "max_prefill_tokens"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise LeanLMError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.draft is not None and self.prompt_lookup:

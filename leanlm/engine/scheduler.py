@@ -44,6 +44,7 @@ class Scheduler:
         self.scratch = num_blocks - 1
         self.blocks = BlockManager(self.scratch, config.block_size, config.prefix_caching)
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.max_prefill_tokens = config.max_prefill_tokens
         # a newly admitted prompt leaves this many blocks free for the running sequences to grow into
         self.watermark = max(1, self.blocks.num_blocks // 100)
         self.waiting: deque[Sequence] = deque()
@@ -69,7 +70,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Who feeds what in the next step: decodes (one token each, or with their proposal) first, then prompt
-        chunks."""
+        chunks (at most max_prefill_tokens of them beside decodes)."""
         batch, budget, preempted = [], self.max_num_batched_tokens, set()
         for seq in list(self.running):
             if seq.remaining != 1 or seq in preempted:  # prefilling, or preempted in this loop
@@ -87,6 +88,8 @@ class Scheduler:
                 batch.append((seq, 1 + len(seq.proposal)))
                 budget -= batch[-1][1]
         batch.sort(key=lambda item: item[1] > 1)  # single tokens first: attention batches them (stable sort)
+        if batch and self.max_prefill_tokens:  # prompt chunks beside decodes: a share that keeps their steps short
+            budget = min(budget, self.max_prefill_tokens)
         for seq in self.running:  # prompts admitted in earlier steps continue, as far as blocks allow
             n = min(seq.remaining, budget, self.blocks.room(seq) - seq.num_computed)
             if seq.remaining > 1 and n > 0:

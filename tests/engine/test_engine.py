@@ -42,6 +42,7 @@ def one_by_one(model, ps, params=GREEDY):
 @pytest.mark.parametrize("options,preempts", [
     (dict(kv_cache_memory=1 << 26), False),  # everything fits: pure continuous batching
     (dict(block_size=4, max_num_batched_tokens=16), False),  # prompts split into chunks of a 16-token budget
+    (dict(block_size=4, max_prefill_tokens=8), False),  # beside decodes, prompts get 8 tokens a step
     (dict(block_size=4, blocks=48), True),  # so few blocks that sequences are preempted and computed again
     (dict(block_size=4, blocks=48, prefix_caching=False), True),
 ])
@@ -64,6 +65,29 @@ def test_concurrent_and_staggered_requests_equal_one_by_one(tiny, options, preem
     assert [s.output_ids for s in seqs] == expected
     assert engine.blocks.num_free == engine.blocks.num_blocks  # every block free (or held only by the cache)
     assert (engine.scheduler.num_preemptions > 0) == preempts
+
+
+def test_prompt_chunks_beside_decodes_keep_to_max_prefill_tokens(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, max_prefill_tokens=8))
+    schedule, fed = engine.scheduler.schedule, []
+
+    def recorded():
+        batch = schedule()
+        fed.append((sum(n == 1 and s.remaining == 1 for s, n in batch), sum(n for s, n in batch if s.remaining > 1)))
+        return batch
+
+    engine.scheduler.schedule = recorded
+    ps = prompts(6)
+    engine.add_request("first", ps[0], GREEDY)
+    for step in range(40):
+        if step in (2, 5, 9):  # prompts arrive while the first decodes
+            engine.add_request(str(step), ps[step % 5 + 1], GREEDY)
+        if engine.has_work:
+            engine.step()
+    assert fed[0][1] == len(ps[0])  # alone: the whole prompt in one step
+    beside = [prefill for decodes, prefill in fed if decodes]
+    assert max(beside) == 8 and all(p <= 8 for p in beside)
 
 
 def test_prefix_cache_skips_the_shared_prompt(tiny):

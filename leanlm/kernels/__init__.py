@@ -35,7 +35,6 @@ import torch
 SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"))  # one extension; sparse.cpp adds its ops to the namespace
 HEADER = Path(__file__).with_name("common.h")  # what both share (Rows, the ISA selection): in the hash, not compiled alone
-MAX_ROWS = 16  # rows of x up to which 2:4 W8A16 runs its kernel; beyond, one bf16 GEMM on the codes
 TIMED_ROWS = (1, 2, 4, 8, 16)  # row counts at which a kernel is timed against torch's product (faster_rows)
 
 

@@ -436,7 +436,8 @@ class W8A16Sparse24Linear(_QuantLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if not x.is_cpu or x2d.shape[0] > kernels.MAX_ROWS or (ops := kernels.ops()) is None:
+        # the same row count as W8A16Linear's, so that both take the same path and give the same logits
+        if not x.is_cpu or x2d.shape[0] > kernels.w8a16_rows() or (ops := kernels.ops()) is None:
             cdt = matmul_dtype(torch.bfloat16, x2d.device)  # prefill: one GEMM on the codes, as W8A16Linear
             y = F.linear(x2d.to(cdt), self.codes().to(cdt)).float() * self.scales.float()
         else:

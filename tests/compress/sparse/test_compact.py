@@ -74,8 +74,13 @@ def pair():
     return dense, W8A16Sparse24Linear.from_w8(dense)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 20])  # 20: past kernels.MAX_ROWS, the prefill GEMM
-def test_module_equals_w8a16_on_the_same_codes(pair, rows):
+@pytest.mark.parametrize("rows", [1, 3, 20, 40])  # 2 x 40: past kernels.w8a16_rows (<= 64), the prefill GEMM
+@pytest.mark.parametrize("measured", [None, 0, 8, 64])  # whatever row count this process measured: the same paths
+def test_module_equals_w8a16_on_the_same_codes(pair, rows, measured, monkeypatch):
+    from leanlm import kernels
+
+    if measured is not None:
+        monkeypatch.setitem(kernels._loaded, "w8a16_rows", measured)
     dense, sparse = pair
     assert torch.equal(sparse.codes(), dense.weight) and torch.equal(sparse.dequantized_weight(), dense.dequantized_weight())
     x = torch.randn(2, rows, 200).bfloat16()

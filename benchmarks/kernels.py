@@ -2,9 +2,10 @@
 and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), paged decode attention (leanlm's
 kernel over a bf16, an int8 and an int4 pool against gathering the keys and values for torch's SDPA, each as GB/s
 of KV read next to a streaming read of memory), and the cost of QuaRot's online Hadamard on down_proj's input
-(`rotate` with online: true) next to down_proj itself.
+(`rotate` with online: true) next to down_proj itself; and W8A16 at 8-256 rows (a decode step of many sequences,
+prefill): the int8 kernel, AMX tiles, widened codes and bf16 weights.
 
-    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pah]
+    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahw]
 
 Weights and KV pools rotate through ~256 MB or more of copies (30 layers' pools) so that every call reads them from
 memory, as decode does.
@@ -66,6 +67,32 @@ def products(ops, args) -> None:
             t = seconds(fn, calls)
             cells.append(f"{t * 1e6:.0f} ({N * K * nbytes / t / 1e9:.1f})")
         table.add_row(f"{name} {N}x{K}", *cells)
+    Console(width=150).print(table)
+
+
+def many_rows(ops, args) -> None:
+    """W8A16 at the row counts of a decode step of many sequences: leanlm's int8 dot-product kernel, its AMX tiles,
+    and a bf16 GEMM on the codes widened per call (W8A16's path without AMX), next to bf16 weights; each over the
+    gate_up and down weights of 8 layers in turn, as a model's layers come."""
+    if not kernels.amx():
+        print("no AMX tiles here: int8_amx is not built")
+    table = Table(title=f"W8A16 products at many rows, {args.threads} threads: microseconds for 8 layers' gate_up "
+                        "and down_proj (x bf16)")
+    for col in ("rows", "leanlm int8 (int8_gemv)", "leanlm AMX (int8_amx)", "widened codes + bf16 GEMM",
+                "bf16 weights (torch)"):
+        table.add_column(col, justify="right")
+    weights = [torch.randint(-127, 128, SHAPES[name], dtype=torch.int8) for name in ("gate_up_proj", "down_proj")] * 8
+    scales = {w.shape[0]: torch.rand(w.shape[0], dtype=torch.bfloat16) for w in weights}
+    wide = [w.bfloat16() for w in weights]
+    for rows in (2, 4, 8, 16, 32, 64, 256):
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16) for w in weights}
+        runs = [lambda: [ops.int8_gemv(xs[w.shape[1]], w, scales[w.shape[0]]) for w in weights],
+                (lambda: [ops.int8_amx(xs[w.shape[1]], w, scales[w.shape[0]]) for w in weights]) if kernels.amx()
+                else None,
+                lambda: [torch.nn.functional.linear(xs[w.shape[1]], w.bfloat16()).float() * scales[w.shape[0]].float()
+                         for w in weights],
+                lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in wide]]
+        table.add_row(str(rows), *(f"{seconds(fn, [()], reps=10) * 1e6:.0f}" if fn else "-" for fn in runs))
     Console(width=150).print(table)
 
 
@@ -146,8 +173,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
-    ap.add_argument("--sections", default="pah", help="p: matrix-vector products, a: paged attention, h: the online "
-                    "Hadamard (default all)")
+    ap.add_argument("--sections", default="pahw", help="p: matrix-vector products, a: paged attention, h: the "
+                    "online Hadamard, w: W8A16 at many rows (default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -157,6 +184,8 @@ def main() -> None:
         attention(ops, args)
     if "h" in args.sections:
         online_hadamard(args)
+    if "w" in args.sections:
+        many_rows(ops, args)
 
 
 if __name__ == "__main__":

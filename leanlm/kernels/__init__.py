@@ -33,8 +33,13 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"))  # one extension; sparse.cpp adds its ops to the namespace
+SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"), Path(__file__).with_name("amx.cpp"))  # one extension
 HEADER = Path(__file__).with_name("common.h")  # what both share (Rows, the ISA selection): in the hash, not compiled alone
+# W8A16 on AMX: int8_gemv up to this many rows, int8_amx beyond. benchmarks/kernels.py --sections w (8 layers'
+# gate_up and down_proj, 2 threads): the two tie at 8 rows (967 against 1035 us); at 16 / 32 / 64 rows int8_amx
+# takes 1090 / 1546 / 2866 us against int8_gemv's 1853 / 3952 / 7341 and the widened codes' 4163 / 4222 / 5527
+# (bf16 weights: 2051 / 2333 / 3228); at 256 rows 12351 against the widened codes' 16176
+AMX_ROWS = 8
 TIMED_ROWS = (1, 2, 4, 8, 16)  # row counts at which a kernel is timed against torch's product (faster_rows)
 
 
@@ -140,8 +145,17 @@ def w8a16_rows() -> int:
     engine the kernel at 32 rows served 1.17x more tokens/s (AMX box). The fixed 16 it replaces came from Zen 4."""
     if "w8a16_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
-        _loaded["w8a16_rows"] = _time_w8a16_rows(ns) if ns is not None else 0
+        _loaded["w8a16_rows"] = (AMX_ROWS if amx() else _time_w8a16_rows(ns)) if ns is not None else 0
     return _loaded["w8a16_rows"]
+
+
+def amx() -> bool:
+    """Whether int8_amx runs here: a build with AMX loops, on a CPU whose kernel grants this process the tiles.
+    Past AMX_ROWS rows W8A16 then runs it (no timing: the choice is the same in every process)."""
+    if "amx" not in _loaded:
+        ns = ops()
+        _loaded["amx"] = ns is not None and ns.amx()
+    return _loaded["amx"]
 
 
 def _time_w8a16_rows(ns) -> int:
@@ -232,7 +246,7 @@ def _register_fakes(name: str) -> None:
     def product(x, w, *_):  # x [M, K], w [N, ...] -> [M, N] float32
         return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
-    for op in ("int8_gemv", "int4_gemv"):
+    for op in ("int8_gemv", "int4_gemv", "int8_amx"):
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
     torch.library.register_fake(f"{name}::quantize_rows", lambda x: (x.new_empty(x.shape, dtype=torch.int8),

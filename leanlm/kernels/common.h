@@ -1,4 +1,4 @@
-// What cpu.cpp and sparse.cpp share: the ISA selection, the activation rows rounded to int16 (Rows), and small
+// What cpu.cpp, sparse.cpp and amx.cpp share: the ISA selection, the activation rows rounded to int16 (Rows), and small
 // vector helpers. Both files include it inside one extension (leanlm/kernels/__init__.py hashes it with them).
 #pragma once
 

@@ -89,6 +89,15 @@ class _QuantLinearBase(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _many_rows_w8(x2d: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x2d @ codes.T * scales past the rows int8_gemv serves (prefill, many sequences): AMX tiles where the CPU has
+    them (kernels/amx.cpp), else one GEMM on the codes widened to bf16 (exact: |code| <= 127)."""
+    if x2d.is_cpu and kernels.amx():
+        return kernels.ops().int8_amx(x2d.to(torch.bfloat16).contiguous(), codes, scales.to(torch.bfloat16))
+    cdt = matmul_dtype(torch.bfloat16, x2d.device)
+    return F.linear(x2d.to(cdt), codes.to(cdt)).float() * scales.float()
+
+
 class W8A16Linear(_QuantLinearBase):
     """int8 per-channel symmetric weights, 16-bit activations. Decode runs leanlm's int8 kernel (kernels/cpu.cpp;
     torch's `aten._weight_int8pack_mm` where it cannot be built), prefill one bf16 GEMM on the int8 codes."""
@@ -117,9 +126,8 @@ class W8A16Linear(_QuantLinearBase):
         if not x.is_cpu:
             return self._reference(x)
         x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] > kernels.w8a16_rows():  # prefill: one GEMM on the int8 codes (exact in bf16)
-            cdt = matmul_dtype(torch.bfloat16, x2d.device)
-            y = F.linear(x2d.to(cdt), self.weight.to(cdt)).float() * self.scales.float()
+        if x2d.shape[0] > kernels.w8a16_rows():  # prefill, many sequences
+            y = _many_rows_w8(x2d, self.weight, self.scales)
         elif (ops := kernels.ops()) is not None:  # decode, short prompts, speculative checks
             y = ops.int8_gemv(x2d, self.weight, self.scales)
         else:  # no C++ compiler here
@@ -438,8 +446,7 @@ class W8A16Sparse24Linear(_QuantLinearBase):
         x2d = x.reshape(-1, self.in_features)
         # the same row count as W8A16Linear's, so that both take the same path and give the same logits
         if not x.is_cpu or x2d.shape[0] > kernels.w8a16_rows() or (ops := kernels.ops()) is None:
-            cdt = matmul_dtype(torch.bfloat16, x2d.device)  # prefill: one GEMM on the codes, as W8A16Linear
-            y = F.linear(x2d.to(cdt), self.codes().to(cdt)).float() * self.scales.float()
+            y = _many_rows_w8(x2d, self.codes(), self.scales)  # on the dense codes, as W8A16Linear
         else:
             y = ops.int8_24_gemv(x2d, self.values, self.masks, self.scales)
         return self._finish(y, x)

@@ -96,21 +96,40 @@ def test_w8a8_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypa
 
 
 def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypatch):
-    """kernels.w8a16_rows() is measured (a row count it times); past it W8A16 widens its codes for one bf16 GEMM,
-    with the same result up to bf16 rounding."""
+    """kernels.w8a16_rows() is measured (a row count it times), or AMX_ROWS with AMX tiles; past it W8A16 runs
+    int8_amx, or without AMX widens its codes for one bf16 GEMM, with the same result up to bf16 rounding."""
     if kernels.ops() is None:
         pytest.skip("no C++ compiler")
-    assert kernels.w8a16_rows() in (0, *kernels.TIMED_ROWS, 32, 64)
+    assert kernels.w8a16_rows() == kernels.AMX_ROWS if kernels.amx() else \
+        kernels.w8a16_rows() in (0, *kernels.TIMED_ROWS, 32, 64)
     monkeypatch.setitem(kernels._loaded, "w8a16_rows", 2)
     real, calls = kernels.ops(), []
-    fake = type("Ops", (), {"int8_gemv": lambda *a: calls.append(1) or real.int8_gemv(*a)})
+    fake = type("Ops", (), {"int8_gemv": lambda *a: calls.append("gemv") or real.int8_gemv(*a),
+                            "int8_amx": lambda *a: calls.append("amx") or real.int8_amx(*a)})
     monkeypatch.setattr(kernels, "ops", lambda: fake)
     q = W8A16Linear.from_float(_linear(200, 48, bias=False))
-    for rows, kernel in ((2, True), (3, False)):
+    for rows, kernel in ((2, ["gemv"]), (3, ["amx"] if kernels.amx() else [])):
         x = torch.randn(rows, 200).bfloat16()
         calls.clear()
         torch.testing.assert_close(q(x).float(), x.float() @ q.dequantized_weight().T, rtol=2e-2, atol=2e-2)
-        assert bool(calls) == kernel
+        assert calls == kernel
+
+
+@pytest.mark.parametrize("M,K,N", [(9, 576, 1536), (37, 200, 45), (64, 64, 16), (150, 1536, 576)])
+def test_int8_amx_is_the_float32_sum_of_bf16_products(M, K, N):
+    """AMX tiles: the exact products of bf16 activations and int8 codes, summed in float32, then scaled; tails of
+    K (32) and N (16) and panels past 64 rows included."""
+    if not kernels.amx():
+        pytest.skip("no AMX tiles here")
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    codes = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, generator=g).bfloat16()
+    expected = (x.double() @ codes.double().T) * scales.double()
+    got = kernels.ops().int8_amx(x, codes, scales)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    assert ((got.double() - expected).abs() <= 1e-5 * expected.abs().amax() + 1e-6).all()
+    assert torch.equal(kernels.ops().int8_amx(x[:5].contiguous(), codes, scales), got[:5])  # a row alone: the same
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

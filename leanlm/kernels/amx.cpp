@@ -12,14 +12,13 @@
 // are zero-padded). Compiled only where the compiler targets AMX (-march=native on such a CPU); elsewhere amx()
 // is false and int8_amx refuses. Linux grants a process the tile state on request (arch_prctl), asked once.
 
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include "common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(LEANLM_PORTABLE)
 #define LEANLM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {

@@ -6,8 +6,9 @@
 //   fits bf16's 8-bit significand), written to a 1 KiB buffer and loaded as a tile.
 // - B (32 inputs x 16 rows of x): x packed once per call as bf16 pairs, [row panel][32-input chunk][16 pairs][16
 //   rows] (the layout `tdpbf16ps` reads: consecutive inputs paired in each 32-bit lane).
-// - C: up to four 16 x 16 float32 accumulators, one per 16 rows of a 64-row panel; each weight block is widened
-//   once per panel and used by all of them. Sums are float32 over bf16 products, as a bf16 GEMM's.
+// - C: 16 x 16 float32 accumulators, two per 16 rows of a 32-row panel (even and odd chunks, added at the end);
+//   each weight block is widened once per panel and used by both blocks. Sums are float32 over bf16 products, as a
+//   bf16 GEMM's, in the same order for a row whatever the other rows.
 // Output channels are split across threads in blocks of 16. K and N need not be multiples of 32 and 16 (tails
 // are zero-padded). Compiled only where the compiler targets AMX (-march=native on such a CPU); elsewhere amx()
 // is false and int8_amx refuses. Linux grants a process the tile state on request (arch_prctl), asked once.
@@ -25,7 +26,6 @@ namespace {
 
 #ifdef LEANLM_AMX
 constexpr int64_t PANEL = 32;  // rows of x a pass over the weight serves (two 16-row blocks)
-constexpr int64_t AHEAD = 512;  // bytes of a weight row prefetched ahead of the block being widened
 
 bool tiles_granted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
@@ -64,10 +64,7 @@ inline void widen_block(const int8_t* w, int64_t K, int64_t n0, int64_t N, int64
   const __mmask32 take = width == 32 ? ~0u : (1u << width) - 1;
   for (int r = 0; r < 16; ++r) {
     __m256i codes = _mm256_setzero_si256();
-    if (n0 + r < N) {
-      codes = _mm256_maskz_loadu_epi8(take, w + (n0 + r) * K + k0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k0 + AHEAD), _MM_HINT_T0);
-    }
+    if (n0 + r < N) codes = _mm256_maskz_loadu_epi8(take, w + (n0 + r) * K + k0);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
     _mm512_store_si512(reinterpret_cast<__m512i*>(a + r * 32), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));

@@ -40,6 +40,9 @@ HEADER = Path(__file__).with_name("common.h")  # what both share (Rows, the ISA 
 # takes 1090 / 1546 / 2866 us against int8_gemv's 1853 / 3952 / 7341 and the widened codes' 4163 / 4222 / 5527
 # (bf16 weights: 2051 / 2333 / 3228); at 256 rows 12351 against the widened codes' 16176
 AMX_ROWS = 8
+# On AMX CPUs torch's bf16 GEMM and torch._int_mm run on the tiles too, and the timed switches below gave the same
+# count in 6 of 6 timings on a 2-vCPU Sapphire Rapids: fixed there, so that every process takes the same paths
+AMX_BF16_ROWS = AMX_INT8_ROWS = 4
 TIMED_ROWS = (1, 2, 4, 8, 16)  # row counts at which a kernel is timed against torch's product (faster_rows)
 
 
@@ -114,10 +117,11 @@ def bf16_rows() -> int:
     process (~20 ms) on an 8 MB weight, beyond the L2 cache as a model's are. The two differ by CPU: on Zen 4 torch's
     GEMM read weights at 2-14 GB/s at 2-8 rows against the kernel's 17 at one row, so the kernel won up to 16 rows;
     with AMX (Sapphire Rapids) torch's GEMM streams at ~25 GB/s at any of those row counts while the kernel's
-    `vdpbf16ps` loop turns compute-bound, 2-4x slower from 8 rows on."""
+    `vdpbf16ps` loop turns compute-bound, 2-4x slower from 8 rows on. With AMX: AMX_BF16_ROWS, not timed."""
     if "bf16_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
-        _loaded["bf16_rows"] = _time_bf16_rows(ns) if ns is not None and ns.bf16_isa() != "portable" else 0
+        _loaded["bf16_rows"] = 0 if ns is None or ns.bf16_isa() == "portable" else \
+            AMX_BF16_ROWS if amx() else _time_bf16_rows(ns)
     return _loaded["bf16_rows"]
 
 
@@ -131,10 +135,11 @@ def int8_rows() -> int:
     """Rows of int8 activation codes up to which W8A8 runs int8_gemv_q8 rather than torch._int_mm (0: never),
     timed once per process on an 8 MB weight. On Zen 4 torch's product ran at 5.7 GOP/s against the kernel's 75,
     so the kernel took every decode row count; with AMX (Sapphire Rapids) torch._int_mm is ahead from ~8 rows and
-    2x at 16. Only meaningful where torch._int_mm has a fast path (runtime.CPU_INT8_GEMM)."""
+    2x at 16 (with AMX: AMX_INT8_ROWS, not timed). Only meaningful where torch._int_mm has a fast path
+    (runtime.CPU_INT8_GEMM)."""
     if "int8_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
-        _loaded["int8_rows"] = _time_int8_rows(ns) if ns is not None else 0
+        _loaded["int8_rows"] = (AMX_INT8_ROWS if amx() else _time_int8_rows(ns)) if ns is not None else 0
     return _loaded["int8_rows"]
 
 

@@ -34,7 +34,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"), Path(__file__).with_name("amx.cpp"))  # one extension
-HEADER = Path(__file__).with_name("common.h")  # what both share (Rows, the ISA selection): in the hash, not compiled alone
+HEADER = Path(__file__).with_name("common.h")  # what the sources share: in the hash, not compiled alone
 # W8A16 on AMX: int8_gemv up to this many rows, int8_amx beyond. benchmarks/kernels.py --sections w (8 layers'
 # gate_up and down_proj, 2 threads): the two tie at 8 rows (967 against 1035 us); at 16 / 32 / 64 rows int8_amx
 # takes 1090 / 1546 / 2866 us against int8_gemv's 1853 / 3952 / 7341 and the widened codes' 4163 / 4222 / 5527

@@ -71,28 +71,33 @@ def products(ops, args) -> None:
 
 
 def many_rows(ops, args) -> None:
-    """W8A16 at the row counts of a decode step of many sequences: leanlm's int8 dot-product kernel, its AMX tiles,
-    and a bf16 GEMM on the codes widened per call (W8A16's path without AMX), next to bf16 weights; each over the
-    gate_up and down weights of 8 layers in turn, as a model's layers come."""
+    """W8A16 at the row counts of a decode step of many sequences and of prefill: leanlm's int8 dot-product kernel,
+    its AMX tiles, and a bf16 GEMM on the codes widened per call (W8A16's path without AMX), next to bf16 weights;
+    a layer's gate_up_proj and down_proj, the layers' weights rotating through ~256 MB of copies."""
     if not kernels.amx():
         print("no AMX tiles here: int8_amx is not built")
-    table = Table(title=f"W8A16 products at many rows, {args.threads} threads: microseconds for 8 layers' gate_up "
-                        "and down_proj (x bf16)")
+    table = Table(title=f"W8A16 products at many rows, {args.threads} threads: microseconds a layer (gate_up_proj "
+                        "and down_proj, x bf16)")
     for col in ("rows", "leanlm int8 (int8_gemv)", "leanlm AMX (int8_amx)", "widened codes + bf16 GEMM",
                 "bf16 weights (torch)"):
         table.add_column(col, justify="right")
-    weights = [torch.randint(-127, 128, SHAPES[name], dtype=torch.int8) for name in ("gate_up_proj", "down_proj")] * 8
-    scales = {w.shape[0]: torch.rand(w.shape[0], dtype=torch.bfloat16) for w in weights}
-    wide = [w.bfloat16() for w in weights]
+    shapes = [SHAPES["gate_up_proj"], SHAPES["down_proj"]]
+    layers = int(256e6 // sum(n * k for n, k in shapes))
+    codes = [[torch.randint(-127, 128, shape, dtype=torch.int8) for shape in shapes] for _ in range(layers)]
+    wide = [[w.bfloat16() for w in layer] for layer in codes]
+    scales = [torch.rand(n, dtype=torch.bfloat16) for n, _ in shapes]
+
+    def per_layer(product):  # xs, one layer's weights -> its two products
+        return lambda xs, ws: [product(x, w, s) for x, w, s in zip(xs, ws, scales)]
+
+    products = [per_layer(ops.int8_gemv), per_layer(ops.int8_amx) if kernels.amx() else None,
+                per_layer(lambda x, w, s: torch.nn.functional.linear(x, w.bfloat16()).float() * s.float())]
     for rows in (2, 4, 8, 16, 32, 64, 256):
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16) for w in weights}
-        runs = [lambda: [ops.int8_gemv(xs[w.shape[1]], w, scales[w.shape[0]]) for w in weights],
-                (lambda: [ops.int8_amx(xs[w.shape[1]], w, scales[w.shape[0]]) for w in weights]) if kernels.amx()
-                else None,
-                lambda: [torch.nn.functional.linear(xs[w.shape[1]], w.bfloat16()).float() * scales[w.shape[0]].float()
-                         for w in weights],
-                lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in wide]]
-        table.add_row(str(rows), *(f"{seconds(fn, [()], reps=10) * 1e6:.0f}" if fn else "-" for fn in runs))
+        xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes]
+        times = [seconds(fn, [(xs, layer) for layer in codes], reps=layers) if fn else None for fn in products]
+        times.append(seconds(per_layer(lambda x, w, s: torch.nn.functional.linear(x, w)),
+                             [(xs, layer) for layer in wide], reps=layers))
+        table.add_row(str(rows), *(f"{t * 1e6:.0f}" if t else "-" for t in times))
     Console(width=150).print(table)
 
 

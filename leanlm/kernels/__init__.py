@@ -35,10 +35,10 @@ import torch
 SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"), Path(__file__).with_name("amx.cpp"))  # one extension
 HEADER = Path(__file__).with_name("common.h")  # what the sources share: in the hash, not compiled alone
-# W8A16 on AMX: int8_gemv up to this many rows, int8_amx beyond. benchmarks/kernels.py --sections w (8 layers'
-# gate_up and down_proj, 2 threads): the two tie at 8 rows (967 against 1035 us); at 16 / 32 / 64 rows int8_amx
-# takes 1090 / 1546 / 2866 us against int8_gemv's 1853 / 3952 / 7341 and the widened codes' 4163 / 4222 / 5527
-# (bf16 weights: 2051 / 2333 / 3228); at 256 rows 12351 against the widened codes' 16176
+# W8A16 on AMX: int8_gemv up to this many rows, int8_amx beyond. benchmarks/kernels.py --sections w (a layer's
+# gate_up and down_proj from memory, 2 threads): at 8 rows int8_gemv 192 us, int8_amx 251; at 16 / 32 / 64 rows
+# int8_amx 260 / 314 / 540 against int8_gemv's 325 / 596 / 1367 and the widened codes' 572 / 856 / 926 (bf16
+# weights: 413 / 455 / 563); at 256 rows 1829 against the widened codes' 1801
 AMX_ROWS = 8
 # On AMX CPUs torch's bf16 GEMM and torch._int_mm run on the tiles too, and the timed switches below gave the same
 # count in 6 of 6 timings on a 2-vCPU Sapphire Rapids: fixed there, so that every process takes the same paths
@@ -147,7 +147,8 @@ def w8a16_rows() -> int:
     """Rows of bf16 activations up to which W8A16 runs int8_gemv rather than one bf16 GEMM on its codes widened to
     bf16 (0: never), timed once per process (~0.2 s) over eight 3072 x 576 weights in turn, as a model's layers
     come: timed on one weight, widening looked faster at 32 rows (its fresh bf16 copy stayed in cache), while in the
-    engine the kernel at 32 rows served 1.17x more tokens/s (AMX box). The fixed 16 it replaces came from Zen 4."""
+    engine the kernel at 32 rows served 1.17x more tokens/s (AMX box). The fixed 16 it replaces came from Zen 4.
+    With AMX: AMX_ROWS, not timed, and int8_amx rather than the widened codes beyond it."""
     if "w8a16_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
         _loaded["w8a16_rows"] = (AMX_ROWS if amx() else _time_w8a16_rows(ns)) if ns is not None else 0

@@ -240,7 +240,8 @@ class LocalServer:
 
     def __enter__(self) -> LocalServer:
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(self.command, env=child_env(self.env), stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(self.command, env=child_env(self.env), stdout=self.log, stderr=subprocess.STDOUT,
+                                     text=True)
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

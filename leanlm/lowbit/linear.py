@@ -2,9 +2,9 @@
 and `dequantized_weight()` (the float weight the kernel computes with) for checks.
 
 Kernel facts measured on the 2-core Zen 4 box with torch 2.13:
-- W8A16 decode (up to kernels.w8a16_rows(), measured per process) and W4A16 run leanlm's kernels
-  (leanlm/kernels): ~2x torch's `_weight_int8pack_mm` and up to 1.6x `_weight_int4pack_mm_for_cpu` on the default
-  model's matrices (`benchmarks/kernels.py`).
+- W8A16 decode (up to kernels.w8a16_rows(), measured per process; on AMX CPUs 8 rows, then AMX tiles) and W4A16
+  run leanlm's kernels (leanlm/kernels): ~2x torch's `_weight_int8pack_mm` and up to 1.6x
+  `_weight_int4pack_mm_for_cpu` on the default model's matrices (`benchmarks/kernels.py`).
   `_weight_int8pack_mm` (W8A16 without a C++ compiler) wants activations and scales in one dtype; it is ~10x
   slower with float32, so it runs in bf16.
 - The int4 kernel also serves prefill: at 128-512 rows it is 1.2-2.4x slower than a bf16 GEMM but 2-6x faster
@@ -100,7 +100,8 @@ def _many_rows_w8(x2d: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 
 class W8A16Linear(_QuantLinearBase):
     """int8 per-channel symmetric weights, 16-bit activations. Decode runs leanlm's int8 kernel (kernels/cpu.cpp;
-    torch's `aten._weight_int8pack_mm` where it cannot be built), prefill one bf16 GEMM on the int8 codes."""
+    torch's `aten._weight_int8pack_mm` where it cannot be built); more rows (prefill, many sequences) AMX tiles
+    where the CPU has them, else one bf16 GEMM on the int8 codes (_many_rows_w8)."""
 
     SCHEME = "w8a16"
     SCALE_BITS = 16  # one bf16 scale per row

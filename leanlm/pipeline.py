@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 from torch import nn
 
-from leanlm.compress.quant import autoround, awq, gptq, hqq, llm_int8, rotate, rtn, smoothquant  # noqa: F401
+from leanlm.compress.quant import aqlm, autoround, awq, gptq, hqq, llm_int8, rotate, rtn, smoothquant  # noqa: F401
 from leanlm.compress.quant import format as qformat
 from leanlm.compress.registry import METHODS, apply, decoder_linears, merge_records, recipe_steps
 from leanlm.compress.sparse import magnitude, sparsegpt, structured, taylor, wanda  # noqa: F401

@@ -12,6 +12,9 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
     y = ops.int8_gemv_q8(xq, xs, w, scale)  # x = xq [M, K] int8 * xs [M]; scale [N] float32 (W8A8)
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
+    y = ops.codebook_gemv(x, codes, codebooks, scale)  # codebook.cpp: AQLM codes [K/8, C, N] uint8, codebooks
+                                                       # [C, 8, 256] bf16, scale [N] bf16 -> [M, N] float32
+    w = ops.codebook_dequant(codes, codebooks, scale)  # their weight [N, K] bf16
     y = ops.int8_24_gemv(x, values, masks, scale)  # sparse.cpp: 2:4-sparse int8 (lowbit/sparse24.pack_24), values
                                                    # [N, K/2] int8, masks [N, ceil(K/8)] uint8, scale [N] bf16
     w = ops.int8_24_unpack(values, masks)  # their dense int8 codes [N, K]
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("sparse.cpp"), Path(__file__).with_name("amx.cpp"))  # one extension
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu.cpp", "sparse.cpp", "amx.cpp", "codebook.cpp"))  # one .so
 HEADER = Path(__file__).with_name("common.h")  # what the sources share: in the hash, not compiled alone
 # W8A16 on AMX: int8_gemv up to this many rows, int8_amx beyond. benchmarks/kernels.py --sections w (a layer's
 # gate_up and down_proj from memory, 2 threads): at 8 rows int8_gemv 192 us, int8_amx 251; at 16 / 32 / 64 rows
@@ -114,15 +117,43 @@ def bf16_product(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def bf16_rows() -> int:
     """Rows of x up to which bf16_gemm is faster than torch's bf16 GEMM on this CPU (0: never), timed once per
-    process (~20 ms) on an 8 MB weight, beyond the L2 cache as a model's are. The two differ by CPU: on Zen 4 torch's
-    GEMM read weights at 2-14 GB/s at 2-8 rows against the kernel's 17 at one row, so the kernel won up to 16 rows;
-    with AMX (Sapphire Rapids) torch's GEMM streams at ~25 GB/s at any of those row counts while the kernel's
-    `vdpbf16ps` loop turns compute-bound, 2-4x slower from 8 rows on. With AMX: AMX_BF16_ROWS, not timed."""
+    machine (~20 ms, _measured_once) on an 8 MB weight, beyond the L2 cache as a model's are. The two differ by
+    CPU: on Zen 4 torch's GEMM read weights at 2-14 GB/s at 2-8 rows against the kernel's 17 at one row, so the
+    kernel won up to 16 rows; with AMX (Sapphire Rapids) torch's GEMM streams at ~25 GB/s at any of those row counts
+    while the kernel's `vdpbf16ps` loop turns compute-bound, 2-4x slower from 8 rows on. With AMX: AMX_BF16_ROWS,
+    not timed."""
     if "bf16_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
         _loaded["bf16_rows"] = 0 if ns is None or ns.bf16_isa() == "portable" else \
-            AMX_BF16_ROWS if amx() else _time_bf16_rows(ns)
+            AMX_BF16_ROWS if amx() else _measured_once("bf16_rows", lambda: _time_bf16_rows(ns))
     return _loaded["bf16_rows"]
+
+
+def _measured_once(name: str, measure) -> int:
+    """A switch timed once per machine and kernel build, kept in leanlm's cache for every later process: timed in
+    each process, two processes could take different numeric paths and give different logits (a test that compared
+    two processes' quantized codes failed under load). A lock makes concurrent first processes time it once. The
+    file is $LEANLM_CACHE/kernels/switches-<source hash>-<cpu tag>.json: delete it to time again (a first timing
+    taken beside other work is kept as it came)."""
+    import fcntl  # POSIX only; where it is missing, time per process as before
+    import json
+
+    from leanlm.fetch import cache_dir
+
+    path = cache_dir() / "kernels" / f"switches-{source_hash()}-{_cpu_tag()}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            known = json.loads(path.read_text()) if path.exists() else {}
+            if name not in known:
+                known[name] = measure()
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(known))
+                tmp.replace(path)
+            return int(known[name])
+    except (OSError, ValueError, ImportError):
+        return measure()
 
 
 def _time_bf16_rows(ns) -> int:
@@ -133,25 +164,27 @@ def _time_bf16_rows(ns) -> int:
 
 def int8_rows() -> int:
     """Rows of int8 activation codes up to which W8A8 runs int8_gemv_q8 rather than torch._int_mm (0: never),
-    timed once per process on an 8 MB weight. On Zen 4 torch's product ran at 5.7 GOP/s against the kernel's 75,
-    so the kernel took every decode row count; with AMX (Sapphire Rapids) torch._int_mm is ahead from ~8 rows and
-    2x at 16 (with AMX: AMX_INT8_ROWS, not timed). Only meaningful where torch._int_mm has a fast path
+    timed once per machine (_measured_once) on an 8 MB weight. On Zen 4 torch's product ran at 5.7 GOP/s against
+    the kernel's 75, so the kernel took every decode row count; with AMX (Sapphire Rapids) torch._int_mm is ahead
+    from ~8 rows and 2x at 16 (with AMX: AMX_INT8_ROWS, not timed). Only meaningful where torch._int_mm has a fast path
     (runtime.CPU_INT8_GEMM)."""
     if "int8_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
-        _loaded["int8_rows"] = (AMX_INT8_ROWS if amx() else _time_int8_rows(ns)) if ns is not None else 0
+        _loaded["int8_rows"] = (AMX_INT8_ROWS if amx() else _measured_once("int8_rows", lambda: _time_int8_rows(ns))
+                                ) if ns is not None else 0
     return _loaded["int8_rows"]
 
 
 def w8a16_rows() -> int:
     """Rows of bf16 activations up to which W8A16 runs int8_gemv rather than one bf16 GEMM on its codes widened to
-    bf16 (0: never), timed once per process (~0.2 s) over eight 3072 x 576 weights in turn, as a model's layers
-    come: timed on one weight, widening looked faster at 32 rows (its fresh bf16 copy stayed in cache), while in the
-    engine the kernel at 32 rows served 1.17x more tokens/s (AMX box). The fixed 16 it replaces came from Zen 4.
-    With AMX: AMX_ROWS, not timed, and int8_amx rather than the widened codes beyond it."""
+    bf16 (0: never), timed once per machine (~0.2 s, _measured_once) over eight 3072 x 576 weights in turn, as a
+    model's layers come: timed on one weight, widening looked faster at 32 rows (its fresh bf16 copy stayed in
+    cache), while in the engine the kernel at 32 rows served 1.17x more tokens/s (AMX box). The fixed 16 it
+    replaces came from Zen 4. With AMX: AMX_ROWS, not timed, and int8_amx rather than the widened codes beyond it."""
     if "w8a16_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
-        _loaded["w8a16_rows"] = (AMX_ROWS if amx() else _time_w8a16_rows(ns)) if ns is not None else 0
+        _loaded["w8a16_rows"] = (AMX_ROWS if amx() else _measured_once("w8a16_rows", lambda: _time_w8a16_rows(ns))
+                                 ) if ns is not None else 0
     return _loaded["w8a16_rows"]
 
 
@@ -260,4 +293,8 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::int8_24_gemv", lambda x, values, masks, scale: product(x, values))
     torch.library.register_fake(f"{name}::int8_24_unpack", lambda v, m: v.new_empty(v.shape[0], 2 * v.shape[1]))
     torch.library.register_fake(f"{name}::bf16_gemm", lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake(f"{name}::codebook_gemv", lambda x, codes, *_: x.new_empty(
+        x.shape[0], codes.shape[2], dtype=torch.float32))
+    torch.library.register_fake(f"{name}::codebook_dequant", lambda codes, books, _: books.new_empty(
+        codes.shape[2], 8 * codes.shape[0]))
     torch.library.register_fake(f"{name}::paged_attention", lambda q, *_: torch.empty_like(q))

@@ -2,7 +2,7 @@
 and `dequantized_weight()` (the float weight the kernel computes with) for checks.
 
 Kernel facts measured on the 2-core Zen 4 box with torch 2.13:
-- W8A16 decode (up to kernels.w8a16_rows(), measured per process; on AMX CPUs 8 rows, then AMX tiles) and W4A16
+- W8A16 decode (up to kernels.w8a16_rows(), measured once per machine; on AMX CPUs 8 rows, then AMX tiles) and W4A16
   run leanlm's kernels (leanlm/kernels): ~2x torch's `_weight_int8pack_mm` and up to 1.6x
   `_weight_int4pack_mm_for_cpu` on the default model's matrices (`benchmarks/kernels.py`).
   `_weight_int8pack_mm` (W8A16 without a C++ compiler) wants activations and scales in one dtype; it is ~10x
@@ -458,5 +458,5 @@ SCHEMES = {cls.SCHEME: cls for cls in (W8A16Linear, W4A16Linear, W8A8Linear, FP8
 
 
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The modules of `model` that are quantized layers (one of SCHEMES), by name."""
-    return {name: m for name, m in model.named_modules() if type(m) in SCHEMES.values()}
+    """The modules of `model` that are quantized layers (these and lowbit.codebook's), by name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, _QuantLinearBase)}

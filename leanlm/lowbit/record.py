@@ -10,11 +10,13 @@ import torch
 from torch import nn
 
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.linear import SCHEMES
+from leanlm.lowbit.codebook import AdditiveLinear
+from leanlm.lowbit.linear import SCHEMES as LINEAR_SCHEMES
 
 RECORD = "quantization.json"
 VERSION = 2  # of quantization.json and the tensors it describes; a reader refuses other versions
 PRUNING_KEYS = ("sparsity", "pattern")  # what a pruned layer's record adds to its scheme's options
+SCHEMES = {**LINEAR_SCHEMES, AdditiveLinear.SCHEME: AdditiveLinear}  # a record's scheme -> its module
 
 
 def is_quantized(path: Path) -> bool:

@@ -102,7 +102,7 @@ def export(model, source: Path, out: Path) -> dict:
     odd = sorted({type(m).__name__ for m in layers.values() if type(m) not in FORMATS})
     if odd:
         raise LeanLMError(f"compressed-tensors has no scheme for {', '.join(odd)} (LLM.int8()'s 16-bit outlier "
-                          f"columns); export supports {', '.join(c.SCHEME for c in FORMATS)}")
+                          f"columns, AQLM's codebooks); export supports {', '.join(c.SCHEME for c in FORMATS)}")
     cfg = model.config
     dense = {k: v for k, v in model.state_dict().items() if not any(k.startswith(n + ".") for n in layers)}
     if cfg.tie_embeddings:

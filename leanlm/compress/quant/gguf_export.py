@@ -91,7 +91,7 @@ def encode_layer(m: torch.nn.Module, name: str, round_offsets: bool = False) -> 
     checked to dequantize to exactly the weight leanlm computes with (with rounded offsets, where allowed)."""
     if not isinstance(m, (W8A16Linear, W8A16Sparse24Linear, W4A16Linear)):
         why = {"w8a8": "its float32 row scales with int8 activations", "llm_int8": "its 16-bit outlier columns",
-               "fp8": "float8 weights"}.get(m.SCHEME, "this scheme")
+               "fp8": "float8 weights", "aqlm": "additive codebooks"}.get(m.SCHEME, "this scheme")
         raise LeanLMError(f"{name} is {m.SCHEME}: GGUF has no type for {why}; GGUF export takes w8a16 (Q8_0) and "
                           "w4a16 (Q4_1) layers, e.g. from `leanlm quantize --bits 8` or `--bits 4`")
     K = m.in_features

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W8A16Sparse24Linear
 
 
 def check_sparsity(sparsity: float) -> float:
@@ -132,7 +133,7 @@ def zero_mask(module) -> torch.Tensor | None:
     """Where a projection's weights are exactly 0 as stored: a float weight's zeros, a compact 2:4 layer's zero
     codes; None for the other quantized layers, whose codes cannot tell a pruned weight from a small one rounded
     to the zero point (int4's zero point, int8's code 0: ~11% and ~1% of a dense model's weights)  # bool [N, K]"""
-    if hasattr(module, "codes"):  # compact 2:4 storage
+    if isinstance(module, W8A16Sparse24Linear):
         return module.codes() == 0
     return None if hasattr(module, "BITS") else module.weight == 0
 

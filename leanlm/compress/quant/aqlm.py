@@ -1,0 +1,299 @@
+"""AQLM: additive codebooks, 1-4 bits a weight (lowbit/codebook.py's format: `bits` codebooks of 256 codewords over
+groups of 8 inputs, a scale per output row).
+
+Each decoder block, on the inputs the already-quantized blocks give it:
+1. every projection W [N, K] (rows divided by their RMS, the scale) is fitted layer by layer:
+   - codebooks initialized by residual k-means over the 8-weight groups (the first on the groups, the next on what
+     the first leaves), each dimension weighted by the input's Hessian diagonal;
+   - codes chosen column group by column group in GPTQ's order (compress/obs.py), each group's rounding error fed
+     into the groups not yet reached through the inverse Hessian; the codes of a group picked greedily codebook by
+     codebook against the residual, then each re-picked once with the others fixed, under GPTQ's error weights;
+   - codebooks and scales fitted by Adam to the layer objective tr((W - W~) H (W - W~)^T) with the codes fixed;
+     codes and codebooks alternate for `rounds`;
+2. the block's codebooks and scales are then tuned together by Adam so that its output fits the float model's
+   output of that block (`iters` steps on mini-batches of the calibration windows; the codes stay).
+
+https://arxiv.org/abs/2401.06118 (Egiazarian et al., AQLM: additive codebooks, codes by beam search on the layer
+objective, codebooks by Adam, block fine-tuning); https://arxiv.org/abs/2402.15319 (van Baalen et al., GPTVQ: vector
+codes in GPTQ's column order with the error fed forward, Hessian-weighted k-means initialization). leanlm searches
+codes greedily (no beam) and feeds errors forward as GPTVQ does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE
+from leanlm.compress.obs import Pending, check_solver_args, inverse_cholesky, obs_update, solver_inputs
+from leanlm.compress.registry import register
+from leanlm.compress.stats import Hessian
+from leanlm.errors import LeanLMError
+from leanlm.lowbit.codebook import DIM, ENTRIES, AdditiveLinear, codebook_weight
+from leanlm.lowbit.record import replace
+from leanlm.models.layers import Linear
+
+_CHUNK = 1 << 16  # vectors per distance matrix [chunk, 256]
+KMEANS_SAMPLE = 1 << 15  # groups k-means fits a codebook on (256 clusters of ~128 each): all of them took ~5 s a layer
+
+
+def nearest(targets: torch.Tensor, weights: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+    """Index of the codeword nearest each target under per-dimension weights: argmin_e sum_d w_d (t_d - book_ed)^2
+    targets [V, 8], weights [V, 8] or [8], book [256, 8] -> [V] int64"""
+    weights = weights.expand_as(targets)
+    out = torch.empty(targets.shape[0], dtype=torch.int64, device=targets.device)
+    for i in range(0, targets.shape[0], _CHUNK):
+        t, w = targets[i:i + _CHUNK], weights[i:i + _CHUNK]
+        # sum_d w (b^2 - 2 t b): the t^2 term is the same for every codeword
+        out[i:i + _CHUNK] = (w @ (book * book).T - 2 * (w * t) @ book.T).argmin(-1)
+    return out
+
+
+def kmeans(vectors: torch.Tensor, weights: torch.Tensor, iters: int, generator: torch.Generator,
+           sample: int = KMEANS_SAMPLE) -> torch.Tensor:
+    """256 codewords fitted to vectors [V, 8] by weighted Lloyd steps on `sample` of them (weights [V, 8]: each
+    dimension's centroid is the weighted mean of its cluster's values); codewords start at random vectors
+    # -> [256, 8]"""
+    pick = torch.randperm(vectors.shape[0], generator=generator)[:sample]
+    vectors, weights = vectors[pick], weights[pick]
+    book = vectors[:ENTRIES].clone()
+    if book.shape[0] < ENTRIES:  # fewer vectors than codewords: the rest repeat them
+        book = book.repeat(ENTRIES // book.shape[0] + 1, 1)[:ENTRIES]
+    for _ in range(iters):
+        idx = nearest(vectors, weights, book)[:, None].expand(-1, DIM)
+        num = torch.zeros_like(book).scatter_add_(0, idx, weights * vectors)
+        den = torch.zeros_like(book).scatter_add_(0, idx, weights)
+        book = torch.where(den > 0, num / den.clamp_min(1e-30), book)  # an empty cluster keeps its codeword
+    return book
+
+
+def assign(targets: torch.Tensor, weights: torch.Tensor, books: torch.Tensor, codes: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Codes for targets [V, 8] under per-dimension weights: without `codes`, codebook by codebook on what the
+    earlier ones leave; then each codebook's code re-picked once with the others fixed  # books [C, 256, 8] ->
+    [V, C] int64"""
+    C = books.shape[0]
+    if codes is None:
+        codes = torch.empty(targets.shape[0], C, dtype=torch.int64, device=targets.device)
+        rest = targets.clone()
+        for c in range(C):
+            codes[:, c] = nearest(rest, weights, books[c])
+            rest -= books[c][codes[:, c]]
+    if C > 1:
+        total = sum(books[c][codes[:, c]] for c in range(C))
+        for c in range(C):
+            total -= books[c][codes[:, c]]
+            codes[:, c] = nearest(targets - total, weights, books[c])
+            total += books[c][codes[:, c]]
+    return codes
+
+
+def _weight(codes: torch.Tensor, books: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codebook_weight of codebooks as this module holds them, [C, 256, 8] (lowbit stores them transposed)"""
+    return codebook_weight(codes, books.transpose(1, 2), scales)
+
+
+def init_codebooks(Wn: torch.Tensor, h: torch.Tensor, C: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+    """Residual k-means over the 8-weight groups of Wn [N, K], dimension d of group g weighted by h[8g + d] (the
+    Hessian's diagonal)  # -> [C, 256, 8]"""
+    vectors = Wn.reshape(-1, DIM)  # [N * K/8, 8]
+    weights = h.reshape(1, -1, DIM).expand(Wn.shape[0], -1, -1).reshape(-1, DIM)
+    books, rest = [], vectors.clone()
+    for _ in range(C):
+        book = kmeans(rest, weights, iters, generator)
+        rest -= book[nearest(rest, weights, book)]
+        books.append(book)
+    return torch.stack(books)
+
+
+def assign_in_order(Wn: torch.Tensor, U: torch.Tensor, books: torch.Tensor, block_size: int = 128) -> torch.Tensor:
+    """Codes for Wn [N, K] group by group from the left, each group's error spread onto the later columns through
+    U (inverse_cholesky's factor of H^-1), its codes picked under GPTQ's error weights 1 / U_jj^2  # -> [K/8, C, N]
+    as lowbit.codebook stores them"""
+    N, K = Wn.shape
+    codes = torch.empty(N, K // DIM, books.shape[0], dtype=torch.int64, device=Wn.device)
+    chosen = {}
+
+    def column(j: int, w: torch.Tensor, pending: Pending) -> torch.Tensor:
+        g = j // DIM
+        if j % DIM == 0:
+            weights = U.diagonal()[j:j + DIM] ** -2
+            codes[:, g] = assign(pending(range(j, j + DIM)), weights, books)
+            chosen["group"] = sum(books[c][codes[:, g, c]] for c in range(books.shape[0]))  # [N, 8]
+        return chosen["group"][:, j % DIM:j % DIM + 1]
+
+    obs_update(Wn.clone(), U, block_size, column)
+    return codes.permute(1, 2, 0).contiguous()
+
+
+def fit_codebooks(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, books: torch.Tensor, scales: torch.Tensor,
+                  steps: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codebooks and scales by Adam on tr((W - W~) H (W - W~)^T) / tr(W H W^T) with the codes fixed; returns the
+    best seen  # W [N, K], H [K, K], codes [K/8, C, N], books [C, 256, 8], scales [N]"""
+    books, scales = books.clone().requires_grad_(), scales.clone().requires_grad_()
+    opt = torch.optim.Adam([books, scales], lr=lr)
+    norm = ((W @ H) * W).sum()
+    best, best_loss = (books.detach().clone(), scales.detach().clone()), float("inf")
+    with torch.enable_grad():
+        for _ in range(steps + 1):
+            diff = W - _weight(codes, books, scales)
+            loss = ((diff @ H) * diff).sum() / norm
+            if loss.item() < best_loss:
+                best_loss, best = loss.item(), (books.detach().clone(), scales.detach().clone())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return best
+
+
+def aqlm_quantize(W: torch.Tensor, H: torch.Tensor, codebooks: int = 2, rounds: int = 2, kmeans_iters: int = 10,
+                  fit_steps: int = 50, lr: float = 1e-3, damp: float = 0.01, seed: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] as additive codebooks on the layer Hessian H [K, K] (2 X^T X / rows): (codes [K/8, C, N] int64,
+    codebooks [C, 256, 8], scales [N]) float32, the weight being lowbit.codebook.codebook_weight of them."""
+    check_solver_args("aqlm_quantize", W, H, 128, damp)
+    if W.shape[1] % DIM:
+        raise LeanLMError(f"additive codebooks need in_features divisible by {DIM}, got {W.shape[1]}")
+    W, H = solver_inputs(W, H)
+    generator = torch.Generator().manual_seed(seed)
+    scales = W.pow(2).mean(1).sqrt().clamp_min(1e-12)
+    Wn = W / scales[:, None]
+    books = init_codebooks(Wn, H.diagonal().float().clamp_min(1e-12), codebooks, kmeans_iters, generator)
+    U = inverse_cholesky(H, damp)
+    Hf = H.float()
+    for _ in range(rounds):
+        codes = assign_in_order(Wn, U, books)
+        books, s = fit_codebooks(W, Hf, codes, books, scales, fit_steps, lr)
+        books = books * (s / scales).mean()  # the scales' common drift moved into the codebooks
+        scales = s / (s / scales).mean()
+        Wn = W / scales[:, None]
+    return codes, books, scales
+
+
+class TunedCodebook(nn.Module):
+    """A projection as additive codebooks whose codebooks and scales are parameters (the codes fixed), standing in
+    for the Linear while its block is tuned."""
+
+    def __init__(self, linear: nn.Linear, codes: torch.Tensor, books: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.codes = codes
+        self.books = nn.Parameter(books.float())
+        self.scales = nn.Parameter(scales.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, _weight(self.codes, self.books, self.scales).to(x.dtype), self.bias)
+
+    def pack(self) -> AdditiveLinear:
+        return AdditiveLinear.from_codes(self.codes, self.books, self.scales, self.bias)
+
+
+@dataclass(frozen=True)
+class AQLM:
+    """Additive codebooks onto lowbit.codebook's kernel. bits: codebooks of 8-bit codes per 8 weights (1-4, bits a
+    weight before the codebooks and scales); iters: Adam steps of each block's codebooks and scales on its output
+    (0: layer fits only); rounds: code assignments alternating with codebook fits per layer."""
+
+    name: ClassVar[str] = "aqlm"
+    kind: ClassVar[str] = "quantize"
+    needs_data: ClassVar[bool] = True
+    bits: int = 2
+    iters: int = 100
+    lr: float = 1e-3
+    rounds: int = 2
+    fit_steps: int = 50
+    kmeans_iters: int = 10
+    batch_size: int = DEFAULT_BATCH_SIZE
+    damp: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.bits not in (1, 2, 3, 4):
+            raise LeanLMError(f"aqlm bits={self.bits!r}: use 1 to 4 (codebooks of 8-bit codes per 8 weights)")
+        for option in ("iters", "rounds", "fit_steps", "kmeans_iters", "batch_size"):
+            value = getattr(self, option)
+            if not isinstance(value, int) or value < (1 if option in ("rounds", "batch_size") else 0):
+                raise LeanLMError(f"aqlm {option}={value!r} must be a whole number >= "
+                                  f"{1 if option in ('rounds', 'batch_size') else 0}")
+        if not self.lr > 0:
+            raise LeanLMError(f"aqlm lr={self.lr!r} must be > 0")
+
+
+def _block_hessians(block: nn.Module, linears: dict[str, Linear], x: torch.Tensor, run) -> dict[str, torch.Tensor]:
+    """Each projection's Hessian on the block's inputs x"""
+    stats = {name: Hessian(linear.in_features) for name, linear in linears.items()}
+    hooks = [linear.register_forward_hook(lambda m, args, out, s=stats[name]: s.add_batch(args[0].float()))
+             for name, linear in linears.items()]
+    try:
+        run(block, x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: s.value for name, s in stats.items()}
+
+
+def _tune(block: nn.Module, tuned: dict[str, TunedCodebook], inputs: torch.Tensor, targets: torch.Tensor, rope: tuple,
+          config: AQLM, generator: torch.Generator) -> None:
+    """Adam on the block's codebooks and scales so that block(inputs) fits targets; the best parameters seen stay."""
+    params = [p for t in tuned.values() for p in t.parameters()]
+    opt = torch.optim.Adam(params, lr=config.lr)
+    best, best_loss = [p.detach().clone() for p in params], float("inf")
+    n, T = inputs.shape[:2]
+    for _ in range(config.iters):
+        pick = torch.randperm(n, generator=generator)[:config.batch_size]
+        loss = F.mse_loss(block(inputs[pick], *rope, None, None, T > 1).float(), targets[pick].float())
+        if loss.item() < best_loss:  # the parameters before this step gave it
+            best_loss = loss.item()
+            for b, p in zip(best, params):
+                b.copy_(p)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        for b, p in zip(best, params):
+            p.copy_(b)
+
+
+@register(AQLM)
+def aqlm(model, config: AQLM, progress=None, samples=None) -> dict[str, dict]:
+    """Block by block, as autoround: targets are the float block's outputs on the float inputs; the Hessians and
+    the tuning use the quantized model's inputs. Memory: three activation buffers of n x T x d."""
+    n, T = samples.shape
+    device = model.device
+    rope = model.rope(torch.arange(T, device=device)[None])
+    generator = torch.Generator().manual_seed(config.seed)
+    batches = [slice(i, min(i + DEFAULT_BATCH_SIZE, n)) for i in range(0, n, DEFAULT_BATCH_SIZE)]
+
+    def run(block, x):
+        with torch.no_grad():
+            return torch.cat([block(x[b], *rope, None, None, T > 1) for b in batches])
+
+    with torch.no_grad():
+        x_float = torch.cat([model.embed_tokens(samples[b].to(device)) for b in batches])
+    x_quant = x_float
+    records = {}
+    for i, block in enumerate(model.layers):
+        target = run(block, x_float)
+        linears = {name: m for name, m in block.named_modules() if isinstance(m, Linear)}
+        hessians = _block_hessians(block, linears, x_quant, run)
+        tuned = {}
+        for name, linear in linears.items():
+            fitted = aqlm_quantize(linear.weight.detach().float(), hessians[name], config.bits, config.rounds,
+                                   config.kmeans_iters, config.fit_steps, config.lr, config.damp, config.seed + i)
+            tuned[name] = TunedCodebook(linear, *fitted)
+            replace(block, name, tuned[name])
+        if config.iters:
+            with torch.enable_grad():
+                _tune(block, tuned, x_quant, target, rope, config, generator)
+        for name, t in tuned.items():
+            new = t.pack()
+            replace(block, name, new)
+            records[f"layers.{i}.{name}"] = new.record()
+            if progress:
+                progress(f"layers.{i}.{name}")
+        x_float, x_quant = target, run(block, x_quant)
+    return records

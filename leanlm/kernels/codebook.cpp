@@ -1,0 +1,221 @@
+// Additive-codebook weights (AQLM, leanlm/lowbit/codebook.py): every 8 consecutive inputs of an output row are the
+// sum of C codewords, one from each of C codebooks of 256 entries, times the row's scale:
+//   w[n, 8g + d] = scale[n] * sum_c codebooks[c, d, codes[g, c, n]]     codes [K/8, C, N] uint8 (C bits a weight)
+// (the codebooks stored transposed, [C, 8, 256] bf16: the tables below read 16 entries' value d in one load)
+//
+// codebook_gemv (decode): y [M, N] float32 = x [M, K] w^T without forming w. For each row of x, a lookup table per
+// (group g, codebook c) holds the dot products of x's 8 inputs of group g with the codebook's 256 entries; then
+//   y[m, n] = scale[n] * sum over (g, c) of table[g, c][codes[g, c, n]]
+// so a batch-1 product reads C / 8 bytes a weight (bf16: 2) and does K C / 8 lookups an output.
+// - AVX-512: the tables are rounded to int16 with one scale per row of x (|error| <= 1/65534 of the row's largest
+//   entry), so a table is 8 registers and `vpermi2w` looks up 64 of its entries for 32 outputs at once (four
+//   permutes, three blends on the code's top two bits, 32 lookups in ~14 instructions); int32 sums, one float
+//   multiply at the end. Table-major loop: a table stays in registers while its codes for 1024 outputs stream by.
+// - elsewhere: float32 tables, one scalar lookup at a time (a first AVX-512 version summed float tables with
+//   `vgatherdps`, 16 outputs a gather: 212 us on a layer's gate_up + down at one row, Zen 4, about bf16's time).
+// codebook_dequant (prefill): w [N, K] bf16, for one GEMM.
+// Compiled into the same extension as cpu.cpp (leanlm/kernels/__init__.py), with the same ISA selection.
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t kEntries = 256;  // entries of a codebook: 8-bit codes
+constexpr int64_t kDim = 8;        // inputs a codeword covers
+constexpr int64_t kTile = 1024;    // outputs whose int32 sums stay in L1 while the tables pass
+
+// The codebooks [C, 8, 256] (stored transposed: entry e's 8 values 256 apart) in float32
+std::vector<float> widened(const at::Tensor& codebooks) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(codebooks.data_ptr<bf16>());
+  std::vector<float> f(codebooks.numel());
+  for (size_t i = 0; i < f.size(); ++i) {
+    const uint32_t bits = uint32_t(p[i]) << 16;  // bf16 is float32's top half: the compiler vectorizes this
+    std::memcpy(&f[i], &bits, 4);
+  }
+  return f;
+}
+
+// table[c][e] = sum_d x[d] * cbt[c][d][e] for one group of 8 inputs x  # -> [C][256]
+void group_tables(const float* x, const float* cbt, int64_t C, float* table) {
+  for (int64_t c = 0; c < C; ++c) {
+    const float* t = cbt + c * kDim * kEntries;
+    float* out = table + c * kEntries;
+    for (int64_t e = 0; e < kEntries; ++e) out[e] = 0.f;
+    for (int64_t d = 0; d < kDim; ++d)
+      for (int64_t e = 0; e < kEntries; ++e) out[e] += x[d] * t[d * kEntries + e];
+  }
+}
+
+#ifdef LEANLM_AVX512
+// As group_tables, rounded to int16 in units of `unit` (1 / inv) on the way out  # -> [C][256] int16
+void group_tables16(const float* x, const float* cbt, int64_t C, float inv, int16_t* table) {
+  __m512 xs[kDim];
+  for (int64_t d = 0; d < kDim; ++d) xs[d] = _mm512_set1_ps(x[d] * inv);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t e = 0; e < kEntries; e += 64) {  // four independent chains of 8 FMAs
+      const float* t = cbt + c * kDim * kEntries + e;
+      __m512 acc[4];
+      for (int i = 0; i < 4; ++i) acc[i] = _mm512_mul_ps(xs[0], _mm512_loadu_ps(t + 16 * i));
+      for (int64_t d = 1; d < kDim; ++d)
+        for (int i = 0; i < 4; ++i) acc[i] = _mm512_fmadd_ps(xs[d], _mm512_loadu_ps(t + d * kEntries + 16 * i), acc[i]);
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_si256((__m256i*)(table + c * kEntries + e + 16 * i),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(acc[i])));
+    }
+}
+
+// acc[i] += table[codes[i]] for i in [0, count), count <= kTile; table: 256 int16 entries in 8 registers
+inline void lookup_add(const __m512i (&t)[8], const uint8_t* codes, int64_t count, int32_t* acc) {
+  const __m512i bit6 = _mm512_set1_epi16(64), bit7 = _mm512_set1_epi16(128);
+  for (int64_t i = 0; i < count; i += 32) {
+    const __mmask32 live = count - i >= 32 ? ~0u : (1u << (count - i)) - 1;
+    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, codes + i));
+    const __mmask32 hi6 = _mm512_test_epi16_mask(idx, bit6), hi7 = _mm512_test_epi16_mask(idx, bit7);
+    const __m512i low = _mm512_mask_blend_epi16(hi6, _mm512_permutex2var_epi16(t[0], idx, t[1]),
+                                                _mm512_permutex2var_epi16(t[2], idx, t[3]));
+    const __m512i high = _mm512_mask_blend_epi16(hi6, _mm512_permutex2var_epi16(t[4], idx, t[5]),
+                                                 _mm512_permutex2var_epi16(t[6], idx, t[7]));
+    const __m512i v = _mm512_mask_blend_epi16(hi7, low, high);
+    __m512i* a = (__m512i*)(acc + i);
+    a[0] = _mm512_add_epi32(a[0], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+    a[1] = _mm512_add_epi32(a[1], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+  }
+}
+#endif
+
+void check(const at::Tensor& codes, const at::Tensor& codebooks, const at::Tensor& scale, const char* op) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
+              op, " wants contiguous uint8 codes [K/8, C, N] on the CPU, got ", codes.sizes());
+  const int64_t C = codes.size(1), N = codes.size(2);
+  TORCH_CHECK(codebooks.dim() == 3 && codebooks.size(0) == C && codebooks.size(1) == kDim &&
+                  codebooks.size(2) == kEntries && codebooks.scalar_type() == at::kBFloat16 &&
+                  codebooks.is_contiguous(),
+              op, " wants bf16 codebooks [C, 8, 256] (transposed) with C = codes.size(1) = ", C, ", got ",
+              codebooks.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N && scale.is_contiguous(), op,
+              " wants bf16 scales [N]");
+}
+
+at::Tensor codebook_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& codebooks,
+                         const at::Tensor& scale) {
+  check(codes, codebooks, scale, "codebook_gemv");
+  const int64_t G = codes.size(0), C = codes.size(1), N = codes.size(2), K = G * kDim, M = x.size(0);
+  const int64_t GC = G * C;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "codebook_gemv takes x [M, K] with K = 8 x codes.size(0) = ", K,
+              ", got ", x.sizes());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const Rows r(x);
+  const std::vector<float> cbt = widened(codebooks);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const bf16* sp = scale.data_ptr<bf16>();
+  float* yp = y.data_ptr<float>();
+#ifdef LEANLM_AVX512
+  // One unit per row of x: every entry of its tables is bounded by max|codebooks| * max over groups of |x_g|_1,
+  // which maps to 32767 (a bound, not the largest entry, so no pass over float tables; it costs a few of the 16 bits)
+  float cmax = 0.f;
+  for (float v : cbt) cmax = std::max(cmax, std::fabs(v));
+  std::vector<float> unit(M);
+  for (int64_t m = 0; m < M; ++m) {
+    float l1 = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t d = 0; d < kDim; ++d) sum += std::fabs(r.f[m * K + g * kDim + d]);
+      l1 = std::max(l1, sum);
+    }
+    unit[m] = l1 * cmax > 0.f ? l1 * cmax / 32767.f : 1.f;
+  }
+  thread_local std::vector<int16_t> tables16;  // [M][G * C][256]
+  tables16.resize(M * GC * kEntries);
+  int16_t* t16 = tables16.data();
+  at::parallel_for(0, M * G, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      group_tables16(r.f + (i / G) * K + (i % G) * kDim, cbt.data(), C, 1.f / unit[i / G], t16 + i * C * kEntries);
+  });
+  // outputs in runs of 32, split evenly across threads, each thread's share in tiles of at most kTile
+  at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t u0, int64_t u1) {
+    alignas(64) int32_t acc[kTile];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n0 = u0 * 32; n0 < std::min(u1 * 32, N); n0 += kTile) {
+        const int64_t count = std::min({kTile, N - n0, u1 * 32 - n0});
+        std::fill(acc, acc + kTile, 0);
+        for (int64_t j = 0; j < GC; ++j) {
+          __m512i t[8];
+          for (int i = 0; i < 8; ++i) t[i] = _mm512_loadu_si512(t16 + (m * GC + j) * kEntries + 32 * i);
+          lookup_add(t, cp + j * N + n0, count, acc);
+        }
+        for (int64_t i = 0; i < count; ++i) yp[m * N + n0 + i] = float(acc[i]) * unit[m] * float(sp[n0 + i]);
+      }
+  });
+#else
+  thread_local std::vector<float> tables;  // [M][G * C][256]
+  tables.resize(M * GC * kEntries);
+  float* tp = tables.data();
+  at::parallel_for(0, M * G, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      group_tables(r.f + (i / G) * K + (i % G) * kDim, cbt.data(), C, tp + i * C * kEntries);
+  });
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < GC; ++j) acc += tp[(m * GC + j) * kEntries + cp[j * N + n]];
+        yp[m * N + n] = acc * float(sp[n]);
+      }
+  });
+#endif
+  return y;
+}
+
+at::Tensor codebook_dequant(const at::Tensor& codes, const at::Tensor& codebooks, const at::Tensor& scale) {
+  check(codes, codebooks, scale, "codebook_dequant");
+  const int64_t G = codes.size(0), C = codes.size(1), N = codes.size(2), K = G * kDim;
+  at::Tensor w = at::empty({N, K}, codebooks.options());
+  std::vector<float> books(C * kEntries * kDim);  // [C][256][8]: an entry's 8 values side by side
+  const std::vector<float> cbt = widened(codebooks);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t d = 0; d < kDim; ++d)
+      for (int64_t e = 0; e < kEntries; ++e) books[(c * kEntries + e) * kDim + d] = cbt[(c * kDim + d) * kEntries + e];
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const bf16* sp = scale.data_ptr<bf16>();
+  bf16* wp = w.data_ptr<bf16>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const float s = float(sp[n]);
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* cg = cp + g * C * N + n;
+#ifdef LEANLM_SIMD
+        __m256 v = _mm256_loadu_ps(books.data() + cg[0] * kDim);
+        for (int64_t c = 1; c < C; ++c)
+          v = _mm256_add_ps(v, _mm256_loadu_ps(books.data() + (c * kEntries + cg[c * N]) * kDim));
+        // to bf16, rounding to nearest even as c10::BFloat16 does (no NaN here: the codebooks are finite)
+        const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(v, _mm256_set1_ps(s)));
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        const __m256i rounded =
+            _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+        _mm_storeu_si128((__m128i*)(wp + n * K + g * kDim),
+                         _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
+#else
+        float v[kDim] = {};
+        for (int64_t c = 0; c < C; ++c) {
+          const float* e = books.data() + (c * kEntries + cg[c * N]) * kDim;
+          for (int64_t d = 0; d < kDim; ++d) v[d] += e[d];
+        }
+        for (int64_t d = 0; d < kDim; ++d) wp[n * K + g * kDim + d] = bf16(v[d] * s);
+#endif
+      }
+    }
+  });
+  return w;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(LEANLM_NS, m) {
+  m.def("codebook_gemv(Tensor x, Tensor codes, Tensor codebooks, Tensor scale) -> Tensor");
+  m.def("codebook_dequant(Tensor codes, Tensor codebooks, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
+  m.impl("codebook_gemv", codebook_gemv);
+  m.impl("codebook_dequant", codebook_dequant);
+}

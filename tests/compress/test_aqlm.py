@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+from leanlm.compress.quant import format as qformat
+from leanlm.compress.quant.aqlm import AQLM, aqlm_quantize, assign, kmeans, nearest
+from leanlm.compress.registry import apply, decoder_linears
+from leanlm.errors import LeanLMError
+from leanlm.lowbit.codebook import AdditiveLinear, codebook_weight
+from leanlm.models.loading import load_model
+from tests.conftest import make_hf_model
+
+SAMPLES = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _weighted_error(targets, weights, books, codes) -> torch.Tensor:
+    approx = sum(books[c][codes[:, c]] for c in range(books.shape[0]))
+    return (weights * (targets - approx) ** 2).sum(-1)
+
+
+def test_nearest_is_the_weighted_argmin():
+    g = torch.Generator().manual_seed(0)
+    targets, weights, book = torch.randn(500, 8, generator=g), torch.rand(500, 8, generator=g), torch.randn(256, 8,
+                                                                                                         generator=g)
+    brute = (weights[:, None] * (targets[:, None] - book[None]) ** 2).sum(-1).argmin(-1)
+    assert torch.equal(nearest(targets, weights, book), brute)
+
+
+def test_assign_improves_on_greedy_and_each_pick_is_optimal_given_the_others():
+    g = torch.Generator().manual_seed(1)
+    targets, weights, books = torch.randn(400, 8, generator=g), torch.rand(8, generator=g), torch.randn(3, 256, 8,
+                                                                                                       generator=g)
+    greedy = torch.empty(400, 3, dtype=torch.int64)
+    rest = targets.clone()
+    for c in range(3):  # the definition: each codebook on what the earlier ones leave
+        errors = (weights * (rest[:, None] - books[c][None]) ** 2).sum(-1)
+        greedy[:, c] = errors.argmin(-1)
+        rest -= books[c][greedy[:, c]]
+    codes = assign(targets, weights, books)
+    ours, theirs = _weighted_error(targets, weights, books, codes), _weighted_error(targets, weights, books, greedy)
+    assert torch.all(ours <= theirs + 1e-5) and ours.mean() < 0.95 * theirs.mean()
+    others = sum(books[c][codes[:, c]] for c in range(2))  # the last pick is the best given the first two
+    assert torch.equal(codes[:, 2], nearest(targets - others, weights, books[2]))
+
+
+def test_kmeans_lowers_the_distortion_of_its_start():
+    g = torch.Generator().manual_seed(2)
+    vectors = torch.randn(4000, 8, generator=g) * torch.linspace(0.2, 2, 8)
+    weights = torch.ones_like(vectors)
+    start, book = kmeans(vectors, weights, 0, torch.Generator().manual_seed(0)), kmeans(
+        vectors, weights, 10, torch.Generator().manual_seed(0))
+    distortion = [(vectors - b[nearest(vectors, weights, b)]).pow(2).sum(-1).mean() for b in (start, book)]
+    assert distortion[1] < 0.8 * distortion[0]
+
+
+def _layer_objective(W, H, codes, books, scales) -> float:
+    diff = W - codebook_weight(codes, books.transpose(1, 2), scales)  # aqlm_quantize's books: [C, 256, 8]
+    return (((diff @ H) * diff).sum() / ((W @ H) * W).sum()).item()
+
+
+def test_more_codebooks_and_more_rounds_fit_the_layer_better():
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(64, 128, generator=g)
+    X = torch.randn(512, 128, generator=g) * torch.linspace(0.1, 3, 128)  # unequal input scales
+    H = 2 * X.T @ X / 512
+    err = {(C, r): _layer_objective(W, H, *aqlm_quantize(W, H, C, rounds=r, fit_steps=20)) for C in (1, 2, 4)
+           for r in (1, 2)}
+    assert err[(4, 2)] < err[(2, 2)] < err[(1, 2)] < 1
+    assert err[(2, 2)] <= err[(2, 1)]
+
+
+def _logit_error(model, ref) -> float:
+    positions = torch.arange(SAMPLES.shape[1])[None].expand(SAMPLES.shape[0], -1)
+    with torch.no_grad():
+        return (model(SAMPLES, positions) - ref(SAMPLES, positions)).pow(2).mean().item()
+
+
+def test_block_tuning_fits_the_float_model_better_and_saves_exactly(tmp_path):
+    make_hf_model("llama", tmp_path / "src")
+    ref = load_model(tmp_path / "src", torch.float32)
+    errors = {}
+    for iters in (0, 30):
+        model = load_model(tmp_path / "src", torch.float32)
+        config = AQLM(bits=2, iters=iters, fit_steps=10, lr=3e-3)
+        records = apply(model, config, samples=SAMPLES)
+        errors[iters] = _logit_error(model, ref)
+    assert errors[30] < 0.9 * errors[0]
+    assert set(records) == {n for n, _ in decoder_linears(ref)} and not list(decoder_linears(model))
+    assert all(isinstance(model.get_submodule(n), AdditiveLinear) for n in records)
+    out = tmp_path / "q"
+    out.mkdir()
+    qformat.save(model, records, config, tmp_path / "src", out)
+    again = load_model(out, torch.float32)
+    assert _logit_error(again, model) == 0.0
+
+
+@pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=0), dict(iters=-1), dict(rounds=0), dict(lr=0.0),
+                                    dict(batch_size=0)])
+def test_bad_options(kwargs):
+    with pytest.raises(LeanLMError):
+        AQLM(**kwargs)
+
+
+def test_needs_calibration_data(tmp_path):
+    make_hf_model("llama", tmp_path / "src")
+    with pytest.raises(LeanLMError, match="calibration"):
+        apply(load_model(tmp_path / "src", torch.float32), AQLM())

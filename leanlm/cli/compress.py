@@ -25,14 +25,15 @@ from leanlm.prompt.compressor import PromptCompressor
 @app.command()
 def quantize(
     model: Model,
-    method: Annotated[Optional[str], typer.Option(help="rtn, gptq, awq, hqq, autoround, smoothquant, llm_int8, fp8 (smooth, "
+    method: Annotated[Optional[str], typer.Option(help="rtn, gptq, awq, hqq, autoround, aqlm, smoothquant, llm_int8, fp8 (smooth, "
                                                        "lm_head: for recipes); default rtn")] = None,
     recipe: Annotated[Optional[Path], typer.Option(help="YAML list of steps applied in order, each a method and "
                                                         "its options, e.g. `- method: smooth` then `- {method: rtn, "
                                                         "bits: 8, act_bits: 8}`; rtn also takes per-projection `layers: {GLOB: 4 | 8 | 16 | "
                                                         "{bits: 4, group_size: 32}}`")] = None,
-    bits: Annotated[Optional[int], typer.Option(help="weight bits: 8 (per-channel int8) or 4 (int4 groups); "
-                                                    "default: the method's (rtn 8, gptq/awq/hqq/autoround 4)")] = None,
+    bits: Annotated[Optional[int], typer.Option(help="weight bits: 8 (per-channel int8) or 4 (int4 groups); aqlm: "
+                                                    "1-4 (8-bit codebooks per 8 weights); default: the method's (rtn "
+                                                    "8, gptq/awq/hqq/autoround 4, aqlm 2)")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="int4 group size along K: 32, 64 or 128 (default; a "
                                                           "layer whose K it does not divide gets the largest that does)")] = None,
     act_bits: Annotated[Optional[int], typer.Option(help="rtn: 16 weight-only (default) or 8 (W8A8, per-token int8 "
@@ -44,7 +45,8 @@ def quantize(
                                                       "decreasing Hessian diagonal (default on)")] = None,
     iters: Annotated[Optional[int], typer.Option(help="autoround: signed-gradient steps per block (default 200, "
                                                       "~0.3 s each for SmolLM2-135M on 2 cores); hqq: solver "
-                                                      "iterations (default 20)")] = None,
+                                                      "iterations (default 20); aqlm: Adam steps of each block's "
+                                                      "codebooks on its output (default 100)")] = None,
     alpha: Annotated[Optional[float], typer.Option(help="smoothquant: migration strength in [0, 1] (default: each "
                                                         "projection's own, searched on the calibration data)")] = None,
     threshold: Annotated[Optional[float], typer.Option(help="llm_int8: |x| from which an input column stays in 16 "

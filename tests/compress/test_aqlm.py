@@ -104,3 +104,20 @@ def test_needs_calibration_data(tmp_path):
     make_hf_model("llama", tmp_path / "src")
     with pytest.raises(LeanLMError, match="calibration"):
         apply(load_model(tmp_path / "src", torch.float32), AQLM())
+
+
+def test_compiled_decode_runs_the_codebook_kernel_as_eager(tmp_path):
+    from leanlm.generation.compiled import CompiledDecoder
+    from leanlm.generation.decode import decode_step, prefill
+
+    make_hf_model("qwen2", tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    apply(model, AQLM(bits=2, iters=0, rounds=1, fit_steps=2, kmeans_iters=2), samples=SAMPLES)
+    compiled = CompiledDecoder(model)
+    logits_e, cache_e = prefill(model, [[5, 6, 7, 8, 9]], 6)
+    logits_c, cache_c = prefill(model, [[5, 6, 7, 8, 9]], 6)
+    tok_e = tok_c = logits_e.argmax(-1)
+    for _ in range(4):
+        logits_e, logits_c = decode_step(model, cache_e, tok_e), compiled.decode_step(cache_c, tok_c)
+        assert torch.allclose(logits_c, logits_e, atol=1e-4)
+        tok_e, tok_c = logits_e.argmax(-1), logits_c.argmax(-1)

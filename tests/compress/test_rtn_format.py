@@ -162,6 +162,9 @@ def test_4_bit_methods_default_to_an_int8_lm_head():
     from leanlm.pipeline import make_config
 
     assert default_lm_head([RTN(4, 32)]) == default_lm_head([GPTQ()]) == 8
+    from leanlm.compress.quant.aqlm import AQLM
+
+    assert default_lm_head([AQLM(bits=2)]) == 8
     assert default_lm_head([RTN(8)]) == default_lm_head([RTN(8, act_bits=8)]) == 16
     assert default_lm_head([RTN(4, 32), make_config("lm_head", {"bits": 4})]) == 16  # a recipe's own head step
 

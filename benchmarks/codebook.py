@@ -182,7 +182,7 @@ def model_table(args) -> Table:
         tok_s = "" if path.suffix == ".gguf" else f"{speed(str(path))['tokens_per_s']:.1f}"
         t.add_row(label, f"{projection_bits(path):.2f}", f"{row.perplexity:.3f}",
                   f"{row.perplexity / base.perplexity - 1:+.2%}", f"{row.kl:.4f}", f"{row.top1:.1%}", tok_s,
-                  f"{cost['seconds']:.0f}", f"{cost['peak_mb']:.0f}")
+                  f"{cost['seconds']:.0f}", "" if cost.get("peak_mb") is None else f"{cost['peak_mb']:.0f}")
     return t
 
 

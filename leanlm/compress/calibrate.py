@@ -1,4 +1,5 @@
-"""THE layer-by-layer calibration loop, shared by GPTQ, AWQ, SmoothQuant, LLM.int8() and pruning.
+"""THE layer-by-layer calibration loop, shared by GPTQ, AWQ, SmoothQuant, LLM.int8() and pruning (and `reconstruct`
+below, the block-output loop of AutoRound and AQLM).
 
     x = embed(samples)                                  # the first block's inputs  [n, T, d]
     for each block i:
@@ -23,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from leanlm.lowbit.record import replace
 from leanlm.models.layers import Linear
 
 DEFAULT_BATCH_SIZE = 8  # samples per forward; bounds the attention/MLP intermediates, not the stats
@@ -86,3 +88,39 @@ def _feeder(stats) -> Callable:
         stats.add_batch(inp.reshape(-1, inp.shape[-1]).float())
 
     return hook
+
+
+# step(block_index, block, {name: Linear}, inputs, targets, rope, run) -> {name: the packed module for that Linear}
+BlockStep = Callable[[int, nn.Module, dict, torch.Tensor, torch.Tensor, tuple, Callable], dict]
+
+
+def reconstruct(model: nn.Module, samples: torch.Tensor, step: BlockStep,
+                progress: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """The block-by-block loop of the methods that tune a block on its output (AutoRound, AQLM): for each block the
+    targets are the float block's outputs on the float model's inputs; `step` fits the block's projections on the
+    quantized model's inputs (the outputs of the blocks already quantized) and returns their packed modules, which
+    replace them; the block is then run again to give the next one its quantized-model inputs. run(block, x) is the
+    block's forward over all windows in mini-batches. Returns each packed layer's record; progress(name) after each.
+    Memory: three activation buffers of n x T x d."""
+    n, T = samples.shape
+    device = model.device
+    rope = model.rope(torch.arange(T, device=device)[None])
+    batches = [slice(i, min(i + DEFAULT_BATCH_SIZE, n)) for i in range(0, n, DEFAULT_BATCH_SIZE)]
+
+    def run(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([block(x[b], *rope, None, None, T > 1) for b in batches])
+
+    with torch.no_grad():
+        x_float = torch.cat([model.embed_tokens(samples[b].to(device)) for b in batches])
+    x_quant, records = x_float, {}
+    for i, block in enumerate(model.layers):
+        target = run(block, x_float)
+        linears = {name: m for name, m in block.named_modules() if isinstance(m, Linear)}
+        for name, new in step(i, block, linears, x_quant, target, rope, run).items():
+            replace(block, name, new)
+            records[f"layers.{i}.{name}"] = new.record()
+            if progress:
+                progress(f"layers.{i}.{name}")
+        x_float, x_quant = target, run(block, x_quant)
+    return records

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE
+from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, reconstruct
 from leanlm.compress.obs import Pending, check_solver_args, inverse_cholesky, obs_update, solver_inputs
 from leanlm.compress.registry import register
 from leanlm.compress.stats import Hessian
@@ -260,26 +260,12 @@ def _tune(block: nn.Module, tuned: dict[str, TunedCodebook], inputs: torch.Tenso
 
 @register(AQLM)
 def aqlm(model, config: AQLM, progress=None, samples=None) -> dict[str, dict]:
-    """Block by block, as autoround: targets are the float block's outputs on the float inputs; the Hessians and
-    the tuning use the quantized model's inputs. Memory: three activation buffers of n x T x d."""
-    n, T = samples.shape
-    device = model.device
-    rope = model.rope(torch.arange(T, device=device)[None])
+    """Block by block (calibrate.reconstruct): each projection fitted on its Hessian over the block's
+    quantized-model inputs, then the block's codebooks and scales tuned on its output, then packed."""
     generator = torch.Generator().manual_seed(config.seed)
-    batches = [slice(i, min(i + DEFAULT_BATCH_SIZE, n)) for i in range(0, n, DEFAULT_BATCH_SIZE)]
 
-    def run(block, x):
-        with torch.no_grad():
-            return torch.cat([block(x[b], *rope, None, None, T > 1) for b in batches])
-
-    with torch.no_grad():
-        x_float = torch.cat([model.embed_tokens(samples[b].to(device)) for b in batches])
-    x_quant = x_float
-    records = {}
-    for i, block in enumerate(model.layers):
-        target = run(block, x_float)
-        linears = {name: m for name, m in block.named_modules() if isinstance(m, Linear)}
-        hessians = _block_hessians(block, linears, x_quant, run)
+    def step(i, block, linears, inputs, targets, rope, run):
+        hessians = _block_hessians(block, linears, inputs, run)
         tuned = {}
         for name, linear in linears.items():
             fitted = aqlm_quantize(linear.weight.detach().float(), hessians[name], config.bits, config.rounds,
@@ -288,12 +274,7 @@ def aqlm(model, config: AQLM, progress=None, samples=None) -> dict[str, dict]:
             replace(block, name, tuned[name])
         if config.iters:
             with torch.enable_grad():
-                _tune(block, tuned, x_quant, target, rope, config, generator)
-        for name, t in tuned.items():
-            new = t.pack()
-            replace(block, name, new)
-            records[f"layers.{i}.{name}"] = new.record()
-            if progress:
-                progress(f"layers.{i}.{name}")
-        x_float, x_quant = target, run(block, x_quant)
-    return records
+                _tune(block, tuned, inputs, targets, rope, config, generator)
+        return {name: t.pack() for name, t in tuned.items()}
+
+    return reconstruct(model, samples, step, progress)

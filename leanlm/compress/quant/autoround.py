@@ -24,13 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE
+from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, reconstruct
 from leanlm.compress.quant.rtn import Int4Options, group_for
 from leanlm.compress.registry import register
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import W4A16Linear
 from leanlm.lowbit.record import replace
-from leanlm.models.layers import Linear
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -140,27 +139,12 @@ class AutoRound(Int4Options):
 
 @register(AutoRound)
 def autoround(model, config: AutoRound, progress=None, samples=None) -> dict[str, dict]:
-    """Block by block: the float block's outputs on the float inputs are the targets; the block is tuned on the
-    quantized model's inputs (the outputs of the blocks already quantized), then packed, and run again to give
-    the next block its quantized-model inputs. Memory: three activation buffers of n x T x d."""
-    n, T = samples.shape
-    device = model.device
-    rope = model.rope(torch.arange(T, device=device)[None])
+    """Block by block (calibrate.reconstruct): each projection becomes a TunedWeight, the block is tuned on its
+    output, then packed onto the W4A16 kernel."""
     generator = torch.Generator().manual_seed(config.seed)
     lr = config.lr or 1.0 / max(config.iters, 1)
-    batches = [slice(i, min(i + DEFAULT_BATCH_SIZE, n)) for i in range(0, n, DEFAULT_BATCH_SIZE)]
 
-    def run(block, x):
-        with torch.no_grad():
-            return torch.cat([block(x[b], *rope, None, None, T > 1) for b in batches])
-
-    with torch.no_grad():
-        x_float = torch.cat([model.embed_tokens(samples[b].to(device)) for b in batches])
-    x_quant = x_float
-    records = {}
-    for i, block in enumerate(model.layers):
-        target = run(block, x_float)
-        linears = {name: m for name, m in block.named_modules() if isinstance(m, Linear)}
+    def step(i, block, linears, inputs, targets, rope, run):
         tuned = {}
         for name, linear in linears.items():
             g = group_for(linear.in_features, config.group_size)
@@ -168,12 +152,7 @@ def autoround(model, config: AutoRound, progress=None, samples=None) -> dict[str
             tuned[name] = TunedWeight(linear, g, config.symmetric)
             replace(block, name, tuned[name])
         with torch.enable_grad():
-            tune_block(block, tuned, x_quant, target, rope, config.iters, lr, config.batch_size, generator)
-        for name, t in tuned.items():
-            new = W4A16Linear.from_codes(linears[name], t.group_size, *t.grid())
-            replace(block, name, new)
-            records[f"layers.{i}.{name}"] = new.record()
-            if progress:
-                progress(f"layers.{i}.{name}")
-        x_float, x_quant = target, run(block, x_quant)
-    return records
+            tune_block(block, tuned, inputs, targets, rope, config.iters, lr, config.batch_size, generator)
+        return {name: W4A16Linear.from_codes(linears[name], t.group_size, *t.grid()) for name, t in tuned.items()}
+
+    return reconstruct(model, samples, step, progress)

@@ -20,8 +20,8 @@ from leanlm.lowbit.linear import _QuantLinearBase
 ENTRIES = 256  # codewords per codebook (8-bit codes)
 DIM = 8  # inputs per codeword
 # codebook_gemv up to this many rows, the dequantized weight's bf16 GEMM beyond: benchmarks/codebook.py (a layer's
-# gate_up + down from memory, 2 codebooks, Zen 4, 2 threads): 113 / 186 / 319 / 530 / 1072 us at 1 / 2 / 4 / 8 / 16
-# rows against dequantizing's 763-959 (bf16 weights: 209-496)
+# gate_up + down from memory, 2 codebooks, Zen 4, 2 threads): 124 / 194 / 319 / 537 / 994 us at 1 / 2 / 4 / 8 / 16
+# rows against dequantizing's 766-942 (bf16 weights, leanlm's bf16_gemm: 226-512)
 GEMV_ROWS = 8
 
 

@@ -41,11 +41,13 @@ def test_echo_with_logprobs_returns_the_prompts_tokens_and_their_logprobs(server
         want = reference_logprobs(model, prompt)
         assert torch.allclose(torch.tensor(lp["token_logprobs"][1 : len(prompt)]), want, atol=1e-4)
         assert choice["text"].startswith(tok.decode(prompt))
-    # a shared prefix must not skip the prompt positions: the second time it is in the prefix cache
+    # a shared prefix must not skip the prompt positions: the second time it is in the prefix cache. Close, not
+    # equal: the second time its rows run in a step of another shape (alone, part of it cached), whose products
+    # may sum in another order (on Zen 4 a log-probability moved by 5e-7; equal on the AMX box)
     again = post(server, "/v1/completions", {"model": NAME, "prompt": ids[0], "max_tokens": 1, "logprobs": 0,
                                               "echo": True}).json()
-    assert again["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids[0])] == \
-        r["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids[0])]
+    assert torch.allclose(torch.tensor(again["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids[0])]),
+                          torch.tensor(r["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids[0])]), atol=1e-4)
     # vLLM's prompt_logprobs field, streaming too
     chunks = []
     with httpx.stream("POST", server.url + "/v1/completions", headers=HEADERS, timeout=60, json={

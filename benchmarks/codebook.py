@@ -68,7 +68,7 @@ def kernel_table() -> Table:
                                                        variants["2 codebooks dequantized + bf16 GEMM"][1])
     rows = (1, 2, 4, 8, 16)
     t = Table(title=f"one layer's gate_up + down from memory (us), {torch.get_num_threads()} threads, "
-                    f"{kernels.cpu_flags() and ops.isa()}")
+                    f"{ops.isa()} loops")
     t.add_column("weights")
     for m in rows:
         t.add_column(f"{m} rows", justify="right")

@@ -25,6 +25,7 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -34,6 +35,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from leanlm.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu.cpp", "sparse.cpp", "amx.cpp", "codebook.cpp"))  # one .so
@@ -135,13 +138,10 @@ def _measured_once(name: str, measure) -> int:
     two processes' quantized codes failed under load). A lock makes concurrent first processes time it once. The
     file is $LEANLM_CACHE/kernels/switches-<source hash>-<cpu tag>.json: delete it to time again (a first timing
     taken beside other work is kept as it came)."""
-    import fcntl  # POSIX only; where it is missing, time per process as before
-    import json
-
-    from leanlm.fetch import cache_dir
-
     path = cache_dir() / "kernels" / f"switches-{source_hash()}-{_cpu_tag()}.json"
     try:
+        import fcntl  # POSIX only; where it is missing, time per process as before
+
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

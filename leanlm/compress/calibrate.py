@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from leanlm.lowbit.record import replace
@@ -67,19 +68,27 @@ def calibrate(model: nn.Module, samples: torch.Tensor,
         prefix = f"layers.{i}"
         linears = {f"{prefix}.{name}": m for name, m in block.named_modules() if isinstance(m, Linear)}
         for group in [[name] for name in linears] if sequential else [list(linears)]:
-            stats = {name: make_stats(linears[name]) for name in group}
-            hooks = [linears[name].register_forward_hook(_feeder(stats[name])) for name in group]
-            try:
-                run(block, write=False)
-            finally:
-                for h in hooks:
-                    h.remove()
+            stats = input_stats({name: linears[name] for name in group}, make_stats, lambda: run(block, write=False))
             solve(i, block, {name: (linears[name], stats[name]) for name in group})
             del stats  # the stats are the solver's to keep or drop
         run(model.layers[i], write=True)  # solve may have replaced the block's modules, not the block
         if progress is not None:
             progress(prefix)
     return {"blocks": len(model.layers), "tokens": n * T}
+
+
+def input_stats(linears: dict[str, Linear], make_stats: Callable[[Linear], object], forward: Callable[[], object]
+                ) -> dict[str, object]:
+    """Each Linear's make_stats(linear) accumulator, fed the Linear's inputs while forward() runs (hooks removed
+    after, even on failure)."""
+    stats = {name: make_stats(linear) for name, linear in linears.items()}
+    hooks = [linear.register_forward_hook(_feeder(stats[name])) for name, linear in linears.items()]
+    try:
+        forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
 
 
 def _feeder(stats) -> Callable:
@@ -124,3 +133,28 @@ def reconstruct(model: nn.Module, samples: torch.Tensor, step: BlockStep,
                 progress(f"layers.{i}.{name}")
         x_float, x_quant = target, run(block, x_quant)
     return records
+
+
+def fit_block(block: nn.Module, params: list[torch.Tensor], inputs: torch.Tensor, targets: torch.Tensor, rope: tuple,
+              iters: int, batch_size: int, generator: torch.Generator,
+              update: Callable[[int, tuple[torch.Tensor, ...]], None]) -> float:
+    """`iters` steps fitting block(inputs) to targets [n, T, d] by mean squared error on random mini-batches of
+    `batch_size` windows: update(step, gradients of params) moves the parameters (under no_grad). The parameters of
+    the lowest loss seen are left in place. Returns the loss of the last step."""
+    best, best_loss, loss = [p.detach().clone() for p in params], float("inf"), float("nan")
+    n, T = inputs.shape[:2]
+    for step in range(iters):
+        pick = torch.randperm(n, generator=generator)[:batch_size]
+        mse = F.mse_loss(block(inputs[pick], *rope, None, None, T > 1).float(), targets[pick].float())
+        loss = mse.item()
+        if loss < best_loss:  # the parameters that gave this loss are those before the step below
+            best_loss = loss
+            for b, p in zip(best, params):
+                b.copy_(p)
+        grads = torch.autograd.grad(mse, params)
+        with torch.no_grad():
+            update(step, grads)
+    with torch.no_grad():
+        for b, p in zip(best, params):
+            p.copy_(b)
+    return loss

@@ -28,14 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, reconstruct
+from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, fit_block, input_stats, reconstruct
 from leanlm.compress.obs import Pending, check_solver_args, inverse_cholesky, obs_update, solver_inputs
 from leanlm.compress.registry import register
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.codebook import DIM, ENTRIES, AdditiveLinear, codebook_weight
 from leanlm.lowbit.record import replace
-from leanlm.models.layers import Linear
 
 _CHUNK = 1 << 16  # vectors per distance matrix [chunk, 256]
 KMEANS_SAMPLE = 1 << 15  # groups k-means fits a codebook on (256 clusters of ~128 each): all of them took ~5 s a layer
@@ -214,48 +213,27 @@ class AQLM:
     def __post_init__(self):
         if self.bits not in (1, 2, 3, 4):
             raise LeanLMError(f"aqlm bits={self.bits!r}: use 1 to 4 (codebooks of 8-bit codes per 8 weights)")
-        for option in ("iters", "rounds", "fit_steps", "kmeans_iters", "batch_size"):
+        for option, least in {"iters": 0, "rounds": 1, "fit_steps": 0, "kmeans_iters": 0, "batch_size": 1}.items():
             value = getattr(self, option)
-            if not isinstance(value, int) or value < (1 if option in ("rounds", "batch_size") else 0):
-                raise LeanLMError(f"aqlm {option}={value!r} must be a whole number >= "
-                                  f"{1 if option in ('rounds', 'batch_size') else 0}")
+            if not isinstance(value, int) or value < least:
+                raise LeanLMError(f"aqlm {option}={value!r} must be a whole number >= {least}")
         if not self.lr > 0:
             raise LeanLMError(f"aqlm lr={self.lr!r} must be > 0")
 
 
-def _block_hessians(block: nn.Module, linears: dict[str, Linear], x: torch.Tensor, run) -> dict[str, torch.Tensor]:
-    """Each projection's Hessian on the block's inputs x"""
-    stats = {name: Hessian(linear.in_features) for name, linear in linears.items()}
-    hooks = [linear.register_forward_hook(lambda m, args, out, s=stats[name]: s.add_batch(args[0].float()))
-             for name, linear in linears.items()]
-    try:
-        run(block, x)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {name: s.value for name, s in stats.items()}
-
-
 def _tune(block: nn.Module, tuned: dict[str, TunedCodebook], inputs: torch.Tensor, targets: torch.Tensor, rope: tuple,
           config: AQLM, generator: torch.Generator) -> None:
-    """Adam on the block's codebooks and scales so that block(inputs) fits targets; the best parameters seen stay."""
+    """Adam on the block's codebooks and scales so that block(inputs) fits targets (calibrate.fit_block); the best
+    parameters seen stay."""
     params = [p for t in tuned.values() for p in t.parameters()]
     opt = torch.optim.Adam(params, lr=config.lr)
-    best, best_loss = [p.detach().clone() for p in params], float("inf")
-    n, T = inputs.shape[:2]
-    for _ in range(config.iters):
-        pick = torch.randperm(n, generator=generator)[:config.batch_size]
-        loss = F.mse_loss(block(inputs[pick], *rope, None, None, T > 1).float(), targets[pick].float())
-        if loss.item() < best_loss:  # the parameters before this step gave it
-            best_loss = loss.item()
-            for b, p in zip(best, params):
-                b.copy_(p)
-        opt.zero_grad()
-        loss.backward()
+
+    def update(step: int, grads: tuple[torch.Tensor, ...]) -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
         opt.step()
-    with torch.no_grad():
-        for b, p in zip(best, params):
-            p.copy_(b)
+
+    fit_block(block, params, inputs, targets, rope, config.iters, config.batch_size, generator, update)
 
 
 @register(AQLM)
@@ -265,10 +243,10 @@ def aqlm(model, config: AQLM, progress=None, samples=None) -> dict[str, dict]:
     generator = torch.Generator().manual_seed(config.seed)
 
     def step(i, block, linears, inputs, targets, rope, run):
-        hessians = _block_hessians(block, linears, inputs, run)
+        hessians = input_stats(linears, lambda linear: Hessian(linear.in_features), lambda: run(block, inputs))
         tuned = {}
         for name, linear in linears.items():
-            fitted = aqlm_quantize(linear.weight.detach().float(), hessians[name], config.bits, config.rounds,
+            fitted = aqlm_quantize(linear.weight.detach().float(), hessians[name].value, config.bits, config.rounds,
                                    config.kmeans_iters, config.fit_steps, config.lr, config.damp, config.seed + i)
             tuned[name] = TunedCodebook(linear, *fitted)
             replace(block, name, tuned[name])

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, reconstruct
+from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, fit_block, reconstruct
 from leanlm.compress.quant.rtn import Int4Options, group_for
 from leanlm.compress.registry import register
 from leanlm.errors import LeanLMError
@@ -88,31 +88,18 @@ class TunedWeight(nn.Module):
 
 def tune_block(block: nn.Module, tuned: dict[str, TunedWeight], inputs: torch.Tensor, targets: torch.Tensor,
                rope: tuple, iters: int, lr: float, batch_size: int, generator: torch.Generator) -> float:
-    """Signed gradient descent of the block's TunedWeights so that block(inputs) fits targets; the best
-    parameters seen are left in place. Returns the loss of the last step. inputs, targets [n, T, d]."""
+    """Signed gradient descent of the block's TunedWeights so that block(inputs) fits targets (calibrate.fit_block);
+    the best parameters seen are left in place. Returns the loss of the last step. inputs, targets [n, T, d]."""
     params = [p for t in tuned.values() for p in t.parameters()]
-    best, best_loss, loss = [p.detach().clone() for p in params], float("inf"), float("nan")
-    n, T = inputs.shape[:2]
-    for step in range(iters):
-        pick = torch.randperm(n, generator=generator)[:batch_size]
-        out = block(inputs[pick], *rope, None, None, T > 1)
-        mse = F.mse_loss(out.float(), targets[pick].float())
-        loss = mse.item()
-        if loss < best_loss:  # the parameters that gave this loss are those before the step below
-            best_loss = loss
-            for b, p in zip(best, params):
-                b.copy_(p)
-        grads = torch.autograd.grad(mse, params)
+
+    def update(step: int, grads: tuple[torch.Tensor, ...]) -> None:
         step_lr = lr * (1 - step / iters)
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                p.sub_(step_lr * g.sign())
+        for p, g in zip(params, grads):
+            p.sub_(step_lr * g.sign())
         for t in tuned.values():
             t.clamp_()
-    with torch.no_grad():
-        for b, p in zip(best, params):
-            p.copy_(b)
-    return loss
+
+    return fit_block(block, params, inputs, targets, rope, iters, batch_size, generator, update)
 
 
 @dataclass(frozen=True)

@@ -51,21 +51,19 @@ def kernel_table() -> Table:
                              torch.randn(C, 8, 256, generator=gen).to(torch.bfloat16),
                              torch.rand(N, generator=gen).to(torch.bfloat16))
 
-    variants = {
-        "bf16 (torch)": (copies(lambda N, K: torch.randn(N, K, generator=gen).to(torch.bfloat16)), F.linear),
-        "bf16 (bf16_gemm)": (None, lambda x, w: ops.bf16_gemm(x, w)),
-        "int4 g64 (int4_gemv)": (copies(lambda N, K: (torch.randint(0, 256, (N, K // 2), dtype=torch.uint8,
-                                                                    generator=gen),
-                                                      torch.rand(K // 64, N, generator=gen).to(torch.bfloat16),
-                                                      torch.rand(K // 64, N, generator=gen).to(torch.bfloat16))),
-                                 lambda x, w: ops.int4_gemv(x, *w, 64)),
-        "2 codebooks (codebook_gemv)": (copies(codebook(2)), lambda x, w: ops.codebook_gemv(x, *w)),
-        "3 codebooks (codebook_gemv)": (copies(codebook(3)), lambda x, w: ops.codebook_gemv(x, *w)),
-        "2 codebooks dequantized + bf16 GEMM": (None, lambda x, w: F.linear(x, ops.codebook_dequant(*w))),
+    bf16 = copies(lambda N, K: torch.randn(N, K, generator=gen).to(torch.bfloat16))
+    int4 = copies(lambda N, K: (torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen),
+                                torch.rand(K // 64, N, generator=gen).to(torch.bfloat16),
+                                torch.rand(K // 64, N, generator=gen).to(torch.bfloat16)))
+    two, three = copies(codebook(2)), copies(codebook(3))
+    variants = {  # name -> (the layers' weights, the product)
+        "bf16 (torch)": (bf16, F.linear),
+        "bf16 (bf16_gemm)": (bf16, lambda x, w: ops.bf16_gemm(x, w)),
+        "int4 g64 (int4_gemv)": (int4, lambda x, w: ops.int4_gemv(x, *w, 64)),
+        "2 codebooks (codebook_gemv)": (two, lambda x, w: ops.codebook_gemv(x, *w)),
+        "3 codebooks (codebook_gemv)": (three, lambda x, w: ops.codebook_gemv(x, *w)),
+        "2 codebooks dequantized + bf16 GEMM": (two, lambda x, w: F.linear(x, ops.codebook_dequant(*w))),
     }
-    variants["bf16 (bf16_gemm)"] = (variants["bf16 (torch)"][0], variants["bf16 (bf16_gemm)"][1])
-    variants["2 codebooks dequantized + bf16 GEMM"] = (variants["2 codebooks (codebook_gemv)"][0],
-                                                       variants["2 codebooks dequantized + bf16 GEMM"][1])
     rows = (1, 2, 4, 8, 16)
     t = Table(title=f"one layer's gate_up + down from memory (us), {torch.get_num_threads()} threads, "
                     f"{ops.isa()} loops")

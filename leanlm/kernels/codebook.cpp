@@ -8,9 +8,10 @@
 //   y[m, n] = scale[n] * sum over (g, c) of table[g, c][codes[g, c, n]]
 // so a batch-1 product reads C / 8 bytes a weight (bf16: 2) and does K C / 8 lookups an output.
 // - AVX-512: the tables are rounded to int16 in one unit per row of x (a bound on all its entries over 32767: a
-//   rounding error of at most half a unit a lookup), so a table is 8 registers and `vpermi2w` looks up 64 of its entries for 32 outputs at once (four
-//   permutes, three blends on the code's top two bits, 32 lookups in ~14 instructions); int32 sums, one float
-//   multiply at the end. Table-major loop: a table stays in registers while its codes for 1024 outputs stream by.
+//   rounding error of at most half a unit a lookup), so a table is 8 registers and `vpermi2w` looks up 64 of its
+//   entries for 32 outputs at once (four permutes, three blends on the code's top two bits, 32 lookups in ~14
+//   instructions); int32 sums, one float multiply at the end. Table-major loop: a table stays in registers while
+//   its codes for 1024 outputs stream by.
 // - elsewhere: float32 tables, one scalar lookup at a time (a first AVX-512 version summed float tables with
 //   `vgatherdps`, 16 outputs a gather: 212 us on a layer's gate_up + down at one row, Zen 4, about bf16's time).
 // Where the time goes (Zen 4, one thread, cache-hot): ~10 cycles per 32 lookups, ~250 per table

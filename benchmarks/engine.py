@@ -224,7 +224,7 @@ def print_offline(r: dict) -> None:
 
 # profiler op names by part; leanlm's kernels live in a namespace leanlm_<source hash> (leanlm.kernels)
 PROJECTIONS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::_weight_int8pack_mm", "::int8_gemv",
-               "::int4_gemv")
+               "::int4_gemv", "aten::_int_mm", "::quantize_rows", "::int8_amx", "::codebook_gemv")
 ATTENTION = ("::paged_attention", "aten::index_copy", "scaled_dot_product")
 LABELS = {"leanlm.sample": "sampling", "leanlm.schedule": "scheduler"}
 PARTS = ("projections", "attention", "other ops", "forward, outside ops", "sampling", "scheduler",

@@ -97,12 +97,12 @@ def test_a_bf16_linear_runs_the_kernel_for_a_few_rows_and_keeps_autograd(monkeyp
     assert not calls and layer.weight.grad is not None
 
 
-@pytest.mark.parametrize("N, K", [(37, 200), (130, 576)])
-@pytest.mark.parametrize("M", [1, 3, 19])
+@pytest.mark.parametrize("N, K, M", [(37, 200, 1), (37, 200, 3), (37, 200, 19), (130, 576, 1), (130, 576, 3),
+                                     (130, 576, 19), (130, 576, 37), (5, 33000, 2)])  # the last past vpdpbusd's K
 def test_int8_gemv_q8_matches_int_matmul(ops, N, K, M):  # W8A8: the int32 sums exact, not rounded
     g = torch.Generator().manual_seed(N + M)
-    xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
-    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
     xs, scale = torch.rand(M, generator=g) + 0.5, torch.rand(N, generator=g) + 0.5
     acc = (xq.long() @ w.long().T).double()
     ref = (acc * xs.double()[:, None] * scale.double()).float()

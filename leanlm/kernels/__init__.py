@@ -164,10 +164,10 @@ def _time_bf16_rows(ns) -> int:
 
 def int8_rows() -> int:
     """Rows of int8 activation codes up to which W8A8 runs int8_gemv_q8 rather than torch._int_mm (0: never),
-    timed once per machine (_measured_once) on an 8 MB weight. On Zen 4 torch's product ran at 5.7 GOP/s against
-    the kernel's 75, so the kernel took every decode row count; with AMX (Sapphire Rapids) torch._int_mm is ahead
-    from ~8 rows and 2x at 16 (with AMX: AMX_INT8_ROWS, not timed). Only meaningful where torch._int_mm has a fast path
-    (runtime.CPU_INT8_GEMM)."""
+    timed once per machine (_measured_once) on an 8 MB weight, up to 256 rows. On Zen 4 the kernel's `vpdpbusd`
+    blocks match torch._int_mm at 32-64 rows and lead below (at 8 rows 1.6-2.7x); with AMX (Sapphire Rapids)
+    torch._int_mm is ahead from ~8 rows and 2x at 16 (with AMX: AMX_INT8_ROWS, not timed). Only meaningful where
+    torch._int_mm has a fast path (runtime.CPU_INT8_GEMM)."""
     if "int8_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
         ns = ops()
         _loaded["int8_rows"] = (AMX_INT8_ROWS if amx() else _measured_once("int8_rows", lambda: _time_int8_rows(ns))
@@ -225,7 +225,7 @@ def _time_int8_rows(ns) -> int:
         acc = torch._int_mm(torch.nn.functional.pad(x[0], (0, 0, 0, max(0, 17 - x[0].shape[0]))), w.t())
         return acc[: x[0].shape[0]].float() * x[1][:, None] * scale
 
-    return faster_rows(ours, theirs, w, codes, (*TIMED_ROWS, 32))
+    return faster_rows(ours, theirs, w, codes, (*TIMED_ROWS, 32, 64, 128, 256))
 
 
 def faster_rows(ours, theirs, w: torch.Tensor, make_x, rows=TIMED_ROWS) -> int:

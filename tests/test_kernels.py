@@ -116,6 +116,15 @@ def test_int8_gemv_q8_matches_int_matmul(ops, N, K, M):  # W8A8: the int32 sums 
         ops.int8_gemv_q8(xq, xs.bfloat16(), w, scale)
 
 
+def test_rescale_int32_is_the_references_epilogue_bit_for_bit(ops):
+    g = torch.Generator().manual_seed(5)
+    acc = torch.randint(-2**30, 2**30, (19, 37), dtype=torch.int32, generator=g)
+    xs, scale = torch.rand(19, generator=g), torch.rand(37, generator=g)
+    assert torch.equal(ops.rescale_int32(acc, xs, scale), acc.float() * xs[:, None] * scale)
+    with pytest.raises(RuntimeError, match="float32 scales"):
+        ops.rescale_int32(acc, xs.double(), scale)
+
+
 @pytest.mark.parametrize("N, K, g", [(48, 256, 32), (16, 576, 64), (64, 512, 128)])
 @pytest.mark.parametrize("M", [1, 3, 19])
 def test_int4_gemv_matches_float(ops, N, K, g, M):

@@ -25,7 +25,7 @@ from torch import nn
 
 from leanlm import kernels
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.primitives import QuantSpec, compute_qparams, int_matmul_reference, quantize
+from leanlm.lowbit.primitives import QuantSpec, compute_qparams, int8_matmul, int_matmul_reference, quantize
 from leanlm.lowbit.sparse24 import pack_24, unpack_24
 from leanlm.runtime import CPU_INT8_GEMM, matmul_dtype
 
@@ -301,9 +301,13 @@ class W8A8Linear(_QuantLinearBase):
         else:
             x_q, s_x = self.quantize_input(x2d)
         # the kernel where it was measured faster (decode), torch._int_mm beyond, or wherever it has no fast path
-        if ops is not None and (M <= kernels.int8_rows() or not CPU_INT8_GEMM):
-            return ops.int8_gemv_q8(x_q, s_x.float().reshape(-1).expand(M).contiguous(), self.weight, self.scales)
-        return int_matmul_reference(x_q, s_x.reshape(-1, 1) if s_x.dim() else s_x, None, self.weight, self.scales, None)
+        if ops is None:
+            return int_matmul_reference(x_q, s_x.reshape(-1, 1) if s_x.dim() else s_x, None, self.weight, self.scales,
+                                        None)
+        xs = s_x.float().reshape(-1).expand(M).contiguous()
+        if M <= kernels.int8_rows() or not CPU_INT8_GEMM:
+            return ops.int8_gemv_q8(x_q, xs, self.weight, self.scales)
+        return ops.rescale_int32(int8_matmul(x_q, self.weight), xs, self.scales)  # one pass over the sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._finish(self.int8_product(x.reshape(-1, self.in_features)), x)

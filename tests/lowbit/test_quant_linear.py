@@ -76,23 +76,25 @@ def test_w8a8_kernel_equals_int_matmul(monkeypatch, act_scale, M, int8_gemm):  #
 
 def test_w8a8_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypatch):
     """kernels.int8_rows() is measured (a row count it times); past it a CPU with VNNI takes torch._int_mm, with
-    the same int32 sums."""
+    the same int32 sums, rescaled in one pass (rescale_int32) to the reference's bits."""
     if kernels.ops() is None:
         pytest.skip("no C++ compiler")
-    assert kernels.int8_rows() in (0, *kernels.TIMED_ROWS, 32)
+    assert kernels.int8_rows() in (0, *kernels.TIMED_ROWS, 32, 64, 128, 256)
     monkeypatch.setattr(linear_module, "CPU_INT8_GEMM", True)
     monkeypatch.setitem(kernels._loaded, "int8_rows", 2)
     real, calls = kernels.ops(), []
-    fake = type("Ops", (), {"int8_gemv_q8": lambda *a: calls.append(1) or real.int8_gemv_q8(*a),
+    fake = type("Ops", (), {"int8_gemv_q8": lambda *a: calls.append("kernel") or real.int8_gemv_q8(*a),
+                            "rescale_int32": lambda *a: calls.append("_int_mm") or real.rescale_int32(*a),
                             "quantize_rows": real.quantize_rows})
     monkeypatch.setattr(kernels, "ops", lambda: fake)
     q = W8A8Linear.from_float(_linear(200, 48))
-    for rows, kernel in ((2, True), (3, False)):
+    for rows, path in ((2, "kernel"), (3, "_int_mm"), (40, "_int_mm")):
         x = torch.randn(rows, 200).bfloat16()
         ref = int_matmul_reference(*q.quantize_input(x), None, q.weight, q.scales, None)
         calls.clear()
-        torch.testing.assert_close(q.int8_product(x), ref, rtol=1e-6, atol=0)
-        assert bool(calls) == kernel
+        y = q.int8_product(x)
+        torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
+        assert calls == [path] and (path == "kernel" or torch.equal(y, ref))
 
 
 def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypatch):

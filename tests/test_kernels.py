@@ -116,13 +116,18 @@ def test_int8_gemv_q8_matches_int_matmul(ops, N, K, M):  # W8A8: the int32 sums 
         ops.int8_gemv_q8(xq, xs.bfloat16(), w, scale)
 
 
-def test_rescale_int32_is_the_references_epilogue_bit_for_bit(ops):
+def test_rescale_is_the_epilogue_it_replaces_bit_for_bit(ops):
+    """W8A8's int32 sums times both scales; W8A16's bf16 GEMM output times its bf16 scales."""
     g = torch.Generator().manual_seed(5)
     acc = torch.randint(-2**30, 2**30, (19, 37), dtype=torch.int32, generator=g)
     xs, scale = torch.rand(19, generator=g), torch.rand(37, generator=g)
-    assert torch.equal(ops.rescale_int32(acc, xs, scale), acc.float() * xs[:, None] * scale)
-    with pytest.raises(RuntimeError, match="float32 scales"):
-        ops.rescale_int32(acc, xs.double(), scale)
+    assert torch.equal(ops.rescale(acc, xs, scale), acc.float() * xs[:, None] * scale)
+    y, scale16 = torch.randn(19, 37, generator=g).bfloat16(), scale.bfloat16()
+    assert torch.equal(ops.rescale(y, None, scale16), y.float() * scale16.float())
+    with pytest.raises(RuntimeError, match="float32 scales of x"):
+        ops.rescale(acc, xs.double(), scale)
+    with pytest.raises(RuntimeError, match="int32 or bf16"):
+        ops.rescale(acc.float(), xs, scale)
 
 
 @pytest.mark.parametrize("N, K, g", [(48, 256, 32), (16, 576, 64), (64, 512, 128)])

@@ -11,7 +11,7 @@ $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): call
     ops.isa()  # "avx512", "avx2" or "portable" (plain loops, slow): the instructions this build runs
     y = ops.int8_gemv(x, w, scale)  # x [M, K], w [N, K] int8, scale [N] bf16 -> [M, N] float32
     y = ops.int8_gemv_q8(xq, xs, w, scale)  # x = xq [M, K] int8 * xs [M]; scale [N] float32 (W8A8)
-    y = ops.rescale_int32(acc, xs, scale)  # acc [M, N] int32 (torch._int_mm's) * xs [M] * scale [N] -> float32
+    y = ops.rescale(acc, xs, scale)  # acc [M, N] int32 or bf16 * xs [M] (or None) * scale [N] -> float32
     y = ops.int4_gemv(x, packed, scales, zeros, g)  # packed [N, K/2] (linear.pack_int4), scales/zeros [K/g, N]
     y = ops.codebook_gemv(x, codes, codebooks, scale)  # codebook.cpp: AQLM codes [K/8, C, N] uint8, codebooks
                                                        # [C, 8, 256] bf16, scale [N] bf16 -> [M, N] float32
@@ -289,8 +289,8 @@ def _register_fakes(name: str) -> None:
     for op in ("int8_gemv", "int4_gemv", "int8_amx"):
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
-    torch.library.register_fake(f"{name}::rescale_int32", lambda acc, xs, scale: acc.new_empty(acc.shape,
-                                                                                                dtype=torch.float32))
+    torch.library.register_fake(f"{name}::rescale", lambda acc, xs, scale: acc.new_empty(acc.shape,
+                                                                                          dtype=torch.float32))
     torch.library.register_fake(f"{name}::quantize_rows", lambda x: (x.new_empty(x.shape, dtype=torch.int8),
                                                                      x.new_empty(x.shape[0], dtype=torch.float32)))
     torch.library.register_fake(f"{name}::int8_24_gemv", lambda x, values, masks, scale: product(x, values))

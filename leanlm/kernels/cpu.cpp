@@ -3,7 +3,7 @@
 //   int8_gemv_q8: the same with x given as int8 codes and a scale per row (W8A8's per-token activations); with
 //                 AVX-512 on the codes as they are (`vpdpbusd`, blocks of 4 x rows by 4 weight rows: q8_block)
 //   quantize_rows: those codes and scales from x in one pass
-//   rescale_int32: y = acc * xs[m] * scale[n], W8A8's epilogue after torch._int_mm
+//   rescale: y = acc * xs[m] * scale[n], the epilogue of W8A8's torch._int_mm and W8A16's GEMM on widened codes
 //   int4_gemv: y[m, n] = sum_k x[m, k] ((q[n, k] - 8) s[n, k/g] + z[n, k/g])   q in [0, 15], groups of g along K
 //   bf16_gemm: y[m, n] = sum_k x[m, k] w[n, k]                       x, w bf16 (batched decode of 16-bit models)
 //
@@ -390,35 +390,44 @@ at::Tensor int8_gemv_q8(const at::Tensor& xq, const at::Tensor& xs, const at::Te
   return y;
 }
 
-// W8A8 past the kernel's rows: torch._int_mm's int32 sums rescaled in one pass, y = acc * xs[m] * scale[n] in float32
-// (the order of lowbit.primitives.int_matmul_reference, so the same bits), instead of a conversion and two
-// multiplications over [M, N]: on a 1024-token prefill of the default model those took 0.3 s of a 1.1 s step
-at::Tensor rescale_int32(const at::Tensor& acc, const at::Tensor& xs, const at::Tensor& scale) {
-  TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kInt && acc.device().is_cpu(), "rescale_int32 takes int32 "
-              "sums [M, N] on the CPU, got ", acc.sizes());
+// The last step of a product on int8 codes, in one pass: y = acc * xs[m] * scale[n] in float32, acc [M, N] int32
+// (W8A8: torch._int_mm's sums) or bf16 (W8A16: the GEMM on widened codes), xs [M] float32 or none (1), scale [N]
+// float32 or bf16. The same operations in the same order as the tensor expressions it replaces (acc.float() * xs *
+// scale), so the same bits; those took a conversion and a multiplication or two over [M, N] each: on a 1024-token
+// prefill of the default model 0.3 s of a 1.1 s step (W8A8, Zen 4).
+at::Tensor rescale(const at::Tensor& acc, const c10::optional<at::Tensor>& xs, const at::Tensor& scale) {
+  TORCH_CHECK(acc.dim() == 2 && acc.device().is_cpu() &&
+                  (acc.scalar_type() == at::kInt || acc.scalar_type() == at::kBFloat16),
+              "rescale takes int32 or bf16 sums [M, N] on the CPU, got ", acc.sizes(), " ", acc.scalar_type());
   const int64_t M = acc.size(0), N = acc.size(1);
-  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.numel() == M && xs.is_contiguous() &&
-                  scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
-              "rescale_int32 wants float32 scales of x [M] and of the weight [N]");
-  const at::Tensor a = acc.contiguous();
+  TORCH_CHECK(!xs || (xs->scalar_type() == at::kFloat && xs->numel() == M && xs->is_contiguous()),
+              "rescale wants float32 scales of x [M]");
+  TORCH_CHECK(scale.numel() == N && (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
+              "rescale wants float32 or bf16 scales of the weight [N]");
+  const at::Tensor a = acc.contiguous(), sf = scale.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, a.options().dtype(at::kFloat));
-  const int32_t* ap = a.data_ptr<int32_t>();
-  const float *xp = xs.data_ptr<float>(), *sp = scale.data_ptr<float>();
+  const float *xp = xs ? xs->data_ptr<float>() : nullptr, *sp = sf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const bool ints = a.scalar_type() == at::kInt;
+  const int32_t* ai = ints ? a.data_ptr<int32_t>() : nullptr;
+  const bf16* ab = ints ? nullptr : a.data_ptr<bf16>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      const int32_t* row = ap + m * N;
+      const float x = xp ? xp[m] : 1.f;  // times 1 is exact
       float* out = yp + m * N;
       int64_t n = 0;
 #ifdef LEANLM_AVX512
-      const __m512 x16 = _mm512_set1_ps(xp[m]);
+      const __m512 x16 = _mm512_set1_ps(x);
       for (; n < N; n += 16) {
         const __mmask16 mask = Rows::tail(N - n);
-        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, row + n)), x16);
-        _mm512_mask_storeu_ps(out + n, mask, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, sp + n)));
+        const __m512 v = ints ? _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, ai + m * N + n))
+                              : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, ab + m * N + n)), 16));
+        _mm512_mask_storeu_ps(out + n, mask, _mm512_mul_ps(_mm512_mul_ps(v, x16), _mm512_maskz_loadu_ps(mask, sp + n)));
       }
 #endif
-      for (; n < N; ++n) out[n] = float(row[n]) * xp[m] * sp[n];
+      for (; n < N; ++n)
+        out[n] = (ints ? float(ai[m * N + n]) : float(ab[m * N + n])) * x * sp[n];
     }
   });
   return y;
@@ -1209,7 +1218,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
-  m.def("rescale_int32(Tensor acc, Tensor xs, Tensor scale) -> Tensor");
+  m.def("rescale(Tensor acc, Tensor? xs, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
@@ -1227,7 +1236,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("bf16_gemm", bf16_gemm);
   m.impl("int8_gemv_q8", int8_gemv_q8);
   m.impl("quantize_rows", quantize_rows);
-  m.impl("rescale_int32", rescale_int32);
+  m.impl("rescale", rescale);
   m.impl("int4_gemv", int4_gemv);
   m.impl("paged_attention", paged_attention);
   m.impl("paged_attention_int4", paged_attention_int4);

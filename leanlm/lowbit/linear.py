@@ -95,7 +95,10 @@ def _many_rows_w8(x2d: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     if x2d.is_cpu and kernels.amx():
         return kernels.ops().int8_amx(x2d.to(torch.bfloat16).contiguous(), codes, scales.to(torch.bfloat16))
     cdt = matmul_dtype(torch.bfloat16, x2d.device)
-    return F.linear(x2d.to(cdt), codes.to(cdt)).float() * scales.float()
+    y = F.linear(x2d.to(cdt), codes.to(cdt))
+    if x2d.is_cpu and cdt == torch.bfloat16 and (ops := kernels.ops()) is not None:
+        return ops.rescale(y, None, scales)  # one pass: y.float() * scales.float()
+    return y.float() * scales.float()
 
 
 class W8A16Linear(_QuantLinearBase):
@@ -307,7 +310,7 @@ class W8A8Linear(_QuantLinearBase):
         xs = s_x.float().reshape(-1).expand(M).contiguous()
         if M <= kernels.int8_rows() or not CPU_INT8_GEMM:
             return ops.int8_gemv_q8(x_q, xs, self.weight, self.scales)
-        return ops.rescale_int32(int8_matmul(x_q, self.weight), xs, self.scales)  # one pass over the sums
+        return ops.rescale(int8_matmul(x_q, self.weight), xs, self.scales)  # one pass over the sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._finish(self.int8_product(x.reshape(-1, self.in_features)), x)

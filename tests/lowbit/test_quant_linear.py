@@ -76,7 +76,7 @@ def test_w8a8_kernel_equals_int_matmul(monkeypatch, act_scale, M, int8_gemm):  #
 
 def test_w8a8_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypatch):
     """kernels.int8_rows() is measured (a row count it times); past it a CPU with VNNI takes torch._int_mm, with
-    the same int32 sums, rescaled in one pass (rescale_int32) to the reference's bits."""
+    the same int32 sums, rescaled in one pass (rescale) to the reference's bits."""
     if kernels.ops() is None:
         pytest.skip("no C++ compiler")
     assert kernels.int8_rows() in (0, *kernels.TIMED_ROWS, 32, 64, 128, 256)
@@ -84,7 +84,7 @@ def test_w8a8_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypa
     monkeypatch.setitem(kernels._loaded, "int8_rows", 2)
     real, calls = kernels.ops(), []
     fake = type("Ops", (), {"int8_gemv_q8": lambda *a: calls.append("kernel") or real.int8_gemv_q8(*a),
-                            "rescale_int32": lambda *a: calls.append("_int_mm") or real.rescale_int32(*a),
+                            "rescale": lambda *a: calls.append("_int_mm") or real.rescale(*a),
                             "quantize_rows": real.quantize_rows})
     monkeypatch.setattr(kernels, "ops", lambda: fake)
     q = W8A8Linear.from_float(_linear(200, 48))
@@ -99,7 +99,8 @@ def test_w8a8_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypa
 
 def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeypatch):
     """kernels.w8a16_rows() is measured (a row count it times), or AMX_ROWS with AMX tiles; past it W8A16 runs
-    int8_amx, or without AMX widens its codes for one bf16 GEMM, with the same result up to bf16 rounding."""
+    int8_amx, or without AMX widens its codes for one bf16 GEMM (scaled by rescale), with the same result up to bf16
+    rounding."""
     if kernels.ops() is None:
         pytest.skip("no C++ compiler")
     assert kernels.w8a16_rows() == kernels.AMX_ROWS if kernels.amx() else \
@@ -107,10 +108,11 @@ def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeyp
     monkeypatch.setitem(kernels._loaded, "w8a16_rows", 2)
     real, calls = kernels.ops(), []
     fake = type("Ops", (), {"int8_gemv": lambda *a: calls.append("gemv") or real.int8_gemv(*a),
-                            "int8_amx": lambda *a: calls.append("amx") or real.int8_amx(*a)})
+                            "int8_amx": lambda *a: calls.append("amx") or real.int8_amx(*a),
+                            "rescale": lambda *a: calls.append("widened") or real.rescale(*a)})
     monkeypatch.setattr(kernels, "ops", lambda: fake)
     q = W8A16Linear.from_float(_linear(200, 48, bias=False))
-    for rows, kernel in ((2, ["gemv"]), (3, ["amx"] if kernels.amx() else [])):
+    for rows, kernel in ((2, ["gemv"]), (3, ["amx"] if kernels.amx() else ["widened"])):
         x = torch.randn(rows, 200).bfloat16()
         calls.clear()
         torch.testing.assert_close(q(x).float(), x.float() @ q.dequantized_weight().T, rtol=2e-2, atol=2e-2)

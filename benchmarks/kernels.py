@@ -2,10 +2,11 @@
 and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), paged decode attention (leanlm's
 kernel over a bf16, an int8 and an int4 pool against gathering the keys and values for torch's SDPA, each as GB/s
 of KV read next to a streaming read of memory), and the cost of QuaRot's online Hadamard on down_proj's input
-(`rotate` with online: true) next to down_proj itself; and W8A16 at 8-256 rows (a decode step of many sequences,
-prefill): the int8 kernel, AMX tiles, widened codes and bf16 weights.
+(`rotate` with online: true) next to down_proj itself; W8A16 at 8-256 rows (a decode step of many sequences,
+prefill): the int8 kernel, AMX tiles, widened codes and bf16 weights; and W8A8 at 1-1024 rows: the kernel on int8
+codes against torch._int_mm and bf16 weights.
 
-    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahw]
+    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahwq]
 
 Weights and KV pools rotate through ~256 MB or more of copies (30 layers' pools) so that every call reads them from
 memory, as decode does.
@@ -101,6 +102,42 @@ def many_rows(ops, args) -> None:
     Console(width=150).print(table)
 
 
+def w8a8_rows(ops, args) -> None:
+    """W8A8 from one row (decode) to a prefill step's 1024: leanlm's kernel on the int8 codes (int8_gemv_q8), and
+    torch._int_mm with its int32 sums rescaled in one pass (`rescale`, W8A8's path past kernels.int8_rows()) or by
+    tensor ops (as lowbit.primitives.int_matmul_reference does), next to bf16 weights; gate_up_proj and down_proj,
+    weights rotating through ~256 MB of copies, activations already quantized (quantize_rows is the same for all)."""
+    from leanlm.lowbit.primitives import int8_matmul
+
+    table = Table(title=f"W8A8 products, {args.threads} threads: microseconds a layer (gate_up_proj and down_proj) "
+                        "and G multiply-adds a second")
+    for col in ("rows", "leanlm (int8_gemv_q8)", "_int_mm + rescale", "_int_mm + tensor ops", "bf16 weights (torch)"):
+        table.add_column(col, justify="right")
+    shapes = [SHAPES["gate_up_proj"], SHAPES["down_proj"]]
+    layers = int(256e6 // sum(n * k for n, k in shapes))
+    codes = [[torch.randint(-127, 128, shape, dtype=torch.int8) for shape in shapes] for _ in range(layers)]
+    wide = [[(torch.randn(*shape) * 0.02).bfloat16() for shape in shapes] for _ in range(layers // 2)]
+    scales = [torch.rand(n) for n, _ in shapes]
+
+    def per_layer(product):  # xs, one layer's weights -> its two products
+        return lambda xs, ws: [product(x, w, s) for x, w, s in zip(xs, ws, scales)]
+
+    products = [per_layer(lambda x, w, s: ops.int8_gemv_q8(x[0], x[1], w, s)),
+                per_layer(lambda x, w, s: ops.rescale(int8_matmul(x[0], w), x[1], s)),
+                per_layer(lambda x, w, s: int8_matmul(x[0], w).float() * x[1][:, None] * s),
+                per_layer(lambda x, w, s: torch.nn.functional.linear(x[2], w))]
+    for rows in (1, 8, 16, 32, 64, 256, 1024):
+        xs = []
+        for _, k in shapes:
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            xs.append((*ops.quantize_rows(x), x))
+        macs = rows * sum(n * k for n, k in shapes)
+        times = [seconds(fn, [(xs, layer) for layer in (wide if i == 3 else codes)], reps=min(layers, 48))
+                 for i, fn in enumerate(products)]
+        table.add_row(str(rows), *(f"{t * 1e6:.0f} ({macs / t / 1e9:.0f})" for t in times))
+    Console(width=150).print(table)
+
+
 # (name, query heads, kv heads, head size, sequences, tokens each): the default model at 32 concurrent requests,
 # and one long request of the 1.5B model (its tokens split across threads)
 ATTENTION = [("smollm2-135m, 32 x 384", 9, 3, 64, 32, 384), ("qwen2.5-coder-1.5b, 1 x 4096", 12, 2, 128, 1, 4096)]
@@ -178,8 +215,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
-    ap.add_argument("--sections", default="pahw", help="p: matrix-vector products, a: paged attention, h: the "
-                    "online Hadamard, w: W8A16 at many rows (default all)")
+    ap.add_argument("--sections", default="pahwq", help="p: matrix-vector products, a: paged attention, h: the "
+                    "online Hadamard, w: W8A16 at many rows, q: W8A8 at 1-1024 rows (default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -191,6 +228,8 @@ def main() -> None:
         online_hadamard(args)
     if "w" in args.sections:
         many_rows(ops, args)
+    if "q" in args.sections:
+        w8a8_rows(ops, args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """leanlm's C++ CPU kernels (cpu.cpp): the int8 and int4 products of W8A16, W4A16 and (decode) W8A8, the bf16
 product of a few rows (batched decode), and paged decode attention.
 
-Integer dot products (AVX-512 VNNI, or AVX2 where the CPU has no AVX-512) on activations rounded to int16; on the
-default model's decode matrices they read weights 2.1-2.7x faster than torch's `_weight_int8pack_mm` and 1.7-2.2x
-faster than `_weight_int4pack_mm_for_cpu` (Zen 3, 2 threads: `python benchmarks/kernels.py`). They are compiled
-for this machine (-march=native) on first use, ~10 s, and cached by torch under ~/.cache/torch_extensions (or
-$TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): callers then fall back to torch ops.
+Integer dot products (AVX-512 VNNI, or AVX2 where the CPU has no AVX-512) on activations rounded to int16 (W8A8 on
+AVX-512: on its int8 codes as they are, `vpdpbusd`); on the default model's decode matrices they read weights
+2.1-2.7x faster than torch's `_weight_int8pack_mm` and 1.7-2.2x faster than `_weight_int4pack_mm_for_cpu` (Zen 3,
+2 threads: `python benchmarks/kernels.py`). They are compiled for this machine (-march=native) on first use, ~10 s,
+and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): callers then fall back to torch ops.
 
     ops = kernels.ops()
     ops.isa()  # "avx512", "avx2" or "portable" (plain loops, slow): the instructions this build runs

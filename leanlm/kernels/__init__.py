@@ -5,7 +5,8 @@ Integer dot products (AVX-512 VNNI, or AVX2 where the CPU has no AVX-512) on act
 AVX-512: on its int8 codes as they are, `vpdpbusd`); on the default model's decode matrices they read weights
 2.1-2.7x faster than torch's `_weight_int8pack_mm` and 1.7-2.2x faster than `_weight_int4pack_mm_for_cpu` (Zen 3,
 2 threads: `python benchmarks/kernels.py`). They are compiled for this machine (-march=native) on first use, ~10 s,
-and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails (no C++ compiler): callers then fall back to torch ops.
+and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails
+(no C++ compiler): callers then fall back to torch ops.
 
     ops = kernels.ops()
     ops.isa()  # "avx512", "avx2" or "portable" (plain loops, slow): the instructions this build runs

@@ -252,9 +252,9 @@ class LocalServer:
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
+        tail = self.log_tail()  # before __exit__ closes the log
         self.__exit__()
-        raise LeanLMError(f"{self.command[0]} did not answer {self.health} within {self.timeout:.0f} s: "
-                          f"{self.log_tail()}")
+        raise LeanLMError(f"{self.command[0]} did not answer {self.health} within {self.timeout:.0f} s: {tail}")
 
     def log_tail(self, chars: int = 2000) -> str:
         self.log.seek(0)

@@ -1,8 +1,10 @@
 import json
+import sys
 
 import pytest
 
-from leanlm.bench.serve import RequestResult, _stats, parse_goodput, summarize
+from leanlm.bench.serve import (LocalServer, RequestResult, _stats, free_port, parse_goodput,
+                                summarize)
 from leanlm.errors import LeanLMError
 from tests.test_cli import leanlm
 
@@ -59,3 +61,13 @@ def test_bench_serve_sends_a_prompt_file_as_completions_and_chats(tiny_dir, tmp_
     (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
     r = leanlm("bench", "serve", tiny_dir, "--prompts", tmp_path / "bad.jsonl")
     assert r.returncode == 2 and "line 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_server_that_never_answers_is_stopped_and_its_log_tail_reported():
+    """LocalServer's start-up timeout: the server is terminated and the error quotes what it printed (its log was
+    read after being closed once: a ValueError hid the reason)."""
+    cmd = [sys.executable, "-c", "import time; print('compiling bucket 4 of 9', flush=True); time.sleep(60)"]
+    server = LocalServer(cmd, free_port(), timeout=3)
+    with pytest.raises(LeanLMError, match="did not answer /health within 3 s: compiling bucket 4 of 9"):
+        server.__enter__()
+    assert server.proc.poll() is not None

@@ -92,7 +92,7 @@ def many_rows(ops, args) -> None:
         return lambda xs, ws: [product(x, w, s) for x, w, s in zip(xs, ws, scales)]
 
     products = [per_layer(ops.int8_gemv), per_layer(ops.int8_amx) if kernels.amx() else None,
-                per_layer(lambda x, w, s: torch.nn.functional.linear(x, w.bfloat16()).float() * s.float())]
+                per_layer(lambda x, w, s: ops.rescale(torch.nn.functional.linear(x, w.bfloat16()), None, s))]
     for rows in (2, 4, 8, 16, 32, 64, 256):
         xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes]
         times = [seconds(fn, [(xs, layer) for layer in codes], reps=layers) if fn else None for fn in products]

@@ -206,8 +206,8 @@ def _time_w8a16_rows(ns) -> int:
     def ours(x, weights):
         return [ns.int8_gemv(x, w, scale) for w in weights]
 
-    def widened(x, weights):  # as lowbit.linear.W8A16Linear's prefill
-        return [torch.nn.functional.linear(x, w.to(torch.bfloat16)).float() * scale.float() for w in weights]
+    def widened(x, weights):  # as lowbit.linear.W8A16Linear's prefill (_many_rows_w8)
+        return [ns.rescale(torch.nn.functional.linear(x, w.to(torch.bfloat16)), None, scale) for w in weights]
 
     return faster_rows(ours, widened, weights, lambda m: torch.randn(m, 576, device="cpu").to(torch.bfloat16),
                        (*TIMED_ROWS, 32, 64))
@@ -223,9 +223,9 @@ def _time_int8_rows(ns) -> int:
     def ours(x, w):
         return ns.int8_gemv_q8(x[0], x[1], w, scale)
 
-    def theirs(x, w):  # as lowbit.primitives.int_matmul_reference runs it: rows padded to the 17 _int_mm takes
+    def theirs(x, w):  # as W8A8Linear runs it past int8_rows: rows padded to the 17 _int_mm takes (int8_matmul)
         acc = torch._int_mm(torch.nn.functional.pad(x[0], (0, 0, 0, max(0, 17 - x[0].shape[0]))), w.t())
-        return acc[: x[0].shape[0]].float() * x[1][:, None] * scale
+        return ns.rescale(acc[: x[0].shape[0]], x[1], scale)
 
     return faster_rows(ours, theirs, w, codes, (*TIMED_ROWS, 32, 64, 128, 256))
 

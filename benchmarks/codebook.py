@@ -1,7 +1,8 @@
 """~2 bits a weight: AQLM's additive codebooks (`leanlm quantize --method aqlm`) next to 4-bit leanlm and llama.cpp's
 Q2_K, and the decode kernel that reads them.
 
-    python benchmarks/codebook.py [--model smollm2-135m] [--bits 2] [--samples 128] [--iters 100] [--sections k,m]
+    python benchmarks/codebook.py [--model smollm2-135m] [--bits 2] [--samples 128] [--iters 100]
+                                  [--distill-steps 200] [--sections k,m]
 
 k (kernel): microseconds of one decoder layer's gate_up_proj + down_proj (the default model's shapes) at 1-16 rows of
   x, over 40 layers' distinct weights in turn so that weights come from memory as in a model: bf16 (torch's GEMM and
@@ -15,6 +16,10 @@ m (model): each variant made once in a fresh process on the same --samples x 512
   rounding of activations its llama.cpp dot products add (in its favour). bits/weight: the decoder projections'
   stored bits (codes, codebooks, scales; Q2_K's file types, including the Q4_K/Q5_0 fallbacks llama-quantize
   picks for rows 256 does not divide). Decode: `leanlm bench` batch-1 tokens/s in a fresh process (compiled).
+  "+ distillation" is the recipe `[aqlm, {method: distill, steps: --distill-steps}]` (AQLM's end-to-end fine-tuning:
+  codebooks, scales and norms trained on the bf16 model's distributions over the calibration split, 4 x 256 tokens
+  a step): its distill step runs on the AQLM row's cached model, as the pipeline runs it after the aqlm step, and
+  its seconds are both steps'.
 """
 
 from __future__ import annotations
@@ -111,6 +116,29 @@ def child(model: str, method: str, options: dict, calibration: str, output: str)
     print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
 
 
+def distill_child(model: str, source: str, steps: int, output: str) -> None:
+    """In a fresh process: the distill step on the AQLM model `source` (the bf16 model its teacher), saved with the
+    recipe of both steps."""
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.registry import apply
+    from leanlm.fetch import atomic_dir
+    from leanlm.lowbit.record import RECORD
+    from leanlm.models.loading import load
+    from leanlm.models.zoo import resolve
+    from leanlm.pipeline import make_config
+    from leanlm.runtime import peak_rss_mb
+
+    config = make_config("distill", {"teacher": model, "steps": steps})
+    net, _ = load(source, "bfloat16", "cpu", progress=False)
+    start = time.perf_counter()
+    apply(net, config)
+    seconds = time.perf_counter() - start
+    record = json.loads((Path(source) / RECORD).read_text())
+    with atomic_dir(Path(output)) as tmp:
+        qformat.save(net, record["layers"], [*record["recipe"], config], resolve(model), tmp)
+    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
+
+
 def q2k_child(model: str, calibration: str, output: str) -> None:
     """In a fresh process: leanlm's Q2_K GGUF with an importance matrix from the windows of `calibration`."""
     from safetensors.torch import load_file
@@ -160,11 +188,20 @@ def model_table(args) -> Table:
         err.print(f"[dim]{args.model}: {label}[/]")
         runs.append((label, out, measured([sys.executable, me, "--child", args.model, method, json.dumps(options),
                                            str(calibration), str(out)], out)))
+        if method == "aqlm" and args.distill_steps:
+            tuned = out.with_name(f"{out.name}+distill-steps{args.distill_steps}")
+            err.print(f"[dim]{args.model}: {label} + distillation[/]")
+            cost = measured([sys.executable, me, "--distill-child", args.model, str(out), str(args.distill_steps),
+                             str(tuned)], tuned)
+            runs.append((f"{label} + distillation ({args.distill_steps} steps)", tuned,
+                         {"seconds": runs[-1][2]["seconds"] + cost["seconds"], "peak_mb": cost.get("peak_mb")}))
     q2k = root / "q2k-imatrix.gguf"
     err.print(f"[dim]{args.model}: Q2_K[/]")
     runs.append(("llama.cpp Q2_K + imatrix (leanlm's writer)", q2k,
                  measured([sys.executable, me, "--q2k-child", args.model, str(calibration), str(q2k)], q2k)))
     record = root / f"quality{args.max_tokens}.json"
+    if record.exists() and len(json.loads(record.read_text())) != len(runs) + 1:
+        record.unlink()  # made for other variants
     if not record.exists():
         wait_quiet()
         rows = quality(args.model, [str(p) for _, p, _ in runs], "bfloat16", "cpu", args.max_tokens)
@@ -188,6 +225,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         model, method, options, calibration, output = sys.argv[2:7]
         return child(model, method, json.loads(options), calibration, output)
+    if sys.argv[1:2] == ["--distill-child"]:
+        model, source, steps, output = sys.argv[2:6]
+        return distill_child(model, source, int(steps), output)
     if sys.argv[1:2] == ["--q2k-child"]:
         return q2k_child(*sys.argv[2:5])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,6 +235,8 @@ def main() -> None:
     ap.add_argument("--bits", default="2", help="AQLM codebooks (bits a weight), comma-separated")
     ap.add_argument("--samples", type=int, default=128, help="calibration windows of 512 tokens")
     ap.add_argument("--iters", type=int, default=100, help="AQLM tuning steps a block")
+    ap.add_argument("--distill-steps", type=int, default=200,
+                    help="steps of AQLM's end-to-end distillation after each AQLM row (0: none)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="evaluation tokens")
     ap.add_argument("--sections", default="k,m", help="k: kernel, m: models")
     args = ap.parse_args()

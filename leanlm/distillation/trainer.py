@@ -159,10 +159,12 @@ class Trainer:
     """Distils `teacher` into `student` (same vocabulary) on windows of `train_ids` [N]; `eval_ids` [M] for the
     evaluations. The student trains in float32 (it is converted in place); `out` holds checkpoints;
     `logit_cache` the teacher's top-k logits of each step (topk and slim losses), so that the teacher runs once
-    for any number of students or runs on the same windows."""
+    for any number of students or runs on the same windows; `trains(name)` says which parameters learn (all of
+    them by default)."""
 
     def __init__(self, teacher, student, train_ids: torch.Tensor, eval_ids: torch.Tensor | None,
-                 config: DistillConfig, out: Path | None = None, logit_cache: Path | None = None):
+                 config: DistillConfig, out: Path | None = None, logit_cache: Path | None = None,
+                 trains=lambda name: True):
         if teacher.config.vocab_size != student.config.vocab_size:
             raise LeanLMError(f"teacher and student vocabularies differ ({teacher.config.vocab_size} vs "
                               f"{student.config.vocab_size} tokens): distillation needs the same tokenizer")
@@ -171,7 +173,9 @@ class Trainer:
         self.teacher, self.student, self.config, self.out = teacher.eval(), student, config, out
         self.train_ids, self.eval_ids = train_ids, eval_ids
         self.logit_cache = None if logit_cache is None else Path(logit_cache)
-        student.float().train().requires_grad_(True)
+        student.float().train()
+        for name, p in student.named_parameters():
+            p.requires_grad_(trains(name))
         self.device = next(student.parameters()).device  # the teacher's too (CUDA when the models are there)
         self.masks = sparsity_masks(student)
         self.sparsity = 0.0  # what gradual pruning has reached

@@ -1,5 +1,6 @@
 """The distill recipe step: it wins back what a pruning step lost (zeros kept), runs inside `leanlm prune --recipe`
-with the source as its teacher, and refuses to come after quantization."""
+with the source as its teacher, fine-tunes AQLM's codebooks end to end after an aqlm step (codes and embeddings
+kept), and refuses to come after any other quantization."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from leanlm.compress.registry import apply
 from leanlm.pipeline import make_config
 from leanlm.errors import LeanLMError
 from leanlm.eval.perplexity import score
+from leanlm.lowbit.codebook import AdditiveLinear
 from leanlm.models.loading import load_model
 from leanlm.tokenizer import Tokenizer
 from tests.test_cli import leanlm
@@ -42,6 +44,27 @@ def test_a_distill_step_wins_back_what_pruning_lost(tiny_dir, tmp_path):
     assert _kl(student, teacher, ids) < 0.6 * before
 
 
+def test_after_aqlm_a_distill_step_tunes_the_codebooks_scales_and_norms_only(tiny_dir, tmp_path):
+    teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.bfloat16)
+    text = _text(tmp_path)
+    ids = torch.tensor(Tokenizer(tiny_dir).encode(text.read_text()))
+    apply(student, make_config("aqlm", {"bits": 1, "iters": 0, "rounds": 1, "fit_steps": 2, "kmeans_iters": 2}),
+          samples=ids[:256].reshape(8, 32))
+    before = {name: t.clone() for name, t in student.state_dict().items()}
+    kl = _kl(student, teacher, ids[:512])
+    step = make_config("distill", {"teacher": str(tiny_dir), "steps": 30, "lr": 1e-2, "batch_size": 2,
+                                   "seq_len": 16, "data": str(text)})
+    assert apply(student, step) == {}
+    layers = {name: m for name, m in student.named_modules() if isinstance(m, AdditiveLinear)}
+    assert len(layers) == 4 * student.config.num_layers  # qkv, o, gate_up, down: packed again for the kernel
+    after = student.state_dict()
+    assert after.keys() == before.keys() and student.dtype == torch.bfloat16
+    changed = {name for name in after if not torch.equal(after[name], before[name])}
+    assert all(name.endswith((".codebooks", ".scales", "norm.weight")) for name in changed)
+    assert {name.split(".")[-1] for name in changed} == {"codebooks", "scales", "weight"}
+    assert _kl(student, teacher, ids[:512]) < 0.8 * kl
+
+
 def test_a_recipe_distills_between_pruning_and_quantization(tiny_dir, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"- {{method: magnitude, sparsity: 0.5}}\n- {{method: distill, steps: 2, batch_size: 2, "
@@ -57,7 +80,7 @@ def test_a_recipe_distills_between_pruning_and_quantization(tiny_dir, tmp_path):
 def test_a_distill_step_after_quantization_or_without_a_budget_is_refused(tiny_dir):
     model = load_model(tiny_dir, torch.bfloat16)
     apply(model, make_config("rtn", {"bits": 8}))
-    with pytest.raises(LeanLMError, match="before the quantization steps"):
+    with pytest.raises(LeanLMError, match="quantized otherwise"):
         apply(model, make_config("distill", {"teacher": str(tiny_dir), "steps": 1}))
     with pytest.raises(LeanLMError, match="budget"):
         make_config("distill", {"teacher": str(tiny_dir)})

@@ -177,12 +177,18 @@ class TunedCodebook(nn.Module):
     """A projection as additive codebooks whose codebooks and scales are parameters (the codes fixed), standing in
     for the Linear while its block is tuned."""
 
-    def __init__(self, linear: nn.Linear, codes: torch.Tensor, books: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, bias: torch.Tensor | None, codes: torch.Tensor, books: torch.Tensor, scales: torch.Tensor):
+        """codes [K/8, C, N], books [C, 256, 8], scales [N]"""
         super().__init__()
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = None if bias is None else bias.detach()
         self.codes = codes
         self.books = nn.Parameter(books.float())
         self.scales = nn.Parameter(scales.float())
+
+    @classmethod
+    def of(cls, packed: AdditiveLinear) -> "TunedCodebook":
+        """A stored layer made trainable again (AQLM's end-to-end fine-tuning: distillation/step.py)."""
+        return cls(packed.bias, packed.codes.long(), packed.codebooks.transpose(1, 2), packed.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, _weight(self.codes, self.books, self.scales).to(x.dtype), self.bias)
@@ -248,7 +254,7 @@ def aqlm(model, config: AQLM, progress=None, samples=None) -> dict[str, dict]:
         for name, linear in linears.items():
             fitted = aqlm_quantize(linear.weight.detach().float(), hessians[name].value, config.bits, config.rounds,
                                    config.kmeans_iters, config.fit_steps, config.lr, config.damp, config.seed + i)
-            tuned[name] = TunedCodebook(linear, *fitted)
+            tuned[name] = TunedCodebook(linear.bias, *fitted)
             replace(block, name, tuned[name])
         if config.iters:
             with torch.enable_grad():

@@ -91,17 +91,20 @@ async def _one(http: httpx.AsyncClient, base_url: str, model: str, prompt, outpu
 async def run_load(base_url: str, model: str, prompts: list, output_len: int, rate: float = float("inf"),
                    burstiness: float = 1.0, max_concurrency: int | None = None, api_key: str | None = None,
                    warmup: int = 1, seed: int = 0, progress=None) -> tuple[list[RequestResult], float]:
-    """Send every prompt (arrivals at `rate` per second, at most `max_concurrency` in flight); (results, seconds).
-    A prompt is token ids or text (/v1/completions) or chat messages (/v1/chat/completions)."""
+    """Send the first `warmup` prompts one by one, untimed, then the rest (arrivals at `rate` per second, at most
+    `max_concurrency` in flight); (their results, seconds). No timed prompt repeats a warm-up one, whose blocks the
+    server's prefix cache would still hold. A prompt is token ids or text (/v1/completions) or chat messages
+    (/v1/chat/completions)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
+    warm, timed = prompts[:warmup], prompts[warmup:]
+    limits = httpx.Limits(max_connections=max_concurrency or len(timed) or 1)
     rng = random.Random(seed)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0)) as http:
-        for prompt in prompts[:warmup]:
-            warm = await _one(http, base_url, model, prompt, output_len, headers)
-            if not warm.ok:
-                raise LeanLMError(f"{base_url}: the warm-up request failed ({warm.error})")
-        gate = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
+        for prompt in warm:
+            result = await _one(http, base_url, model, prompt, output_len, headers)
+            if not result.ok:
+                raise LeanLMError(f"{base_url}: the warm-up request failed ({result.error})")
+        gate = asyncio.Semaphore(max_concurrency or len(timed) or 1)
 
         async def limited(prompt):
             async with gate:
@@ -111,7 +114,7 @@ async def run_load(base_url: str, model: str, prompts: list, output_len: int, ra
             return result
 
         start, tasks = time.perf_counter(), []
-        for prompt in prompts:
+        for prompt in timed:
             tasks.append(asyncio.create_task(limited(prompt)))
             if rate != float("inf"):  # gamma gaps with mean 1/rate; shape 1 is a Poisson process
                 await asyncio.sleep(rng.gammavariate(burstiness, 1 / (rate * burstiness)))

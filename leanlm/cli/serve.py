@@ -108,7 +108,9 @@ def bench_serve(
     request_rate: Annotated[float, typer.Option(help="requests per second (inf: all at once)")] = float("inf"),
     burstiness: Annotated[float, typer.Option(help="gamma shape of the arrival gaps (1: Poisson)")] = 1.0,
     max_concurrency: Annotated[Optional[int], typer.Option(help="most requests in flight")] = None,
-    sweep: Annotated[Optional[str], typer.Option(help="run once per concurrency, e.g. 1,2,4,8,16,32")] = None,
+    sweep: Annotated[Optional[str], typer.Option(help="run once per concurrency, e.g. 1,2,4,8,16,32 (random "
+                                                 "prompts: each level its own, so that none finds an earlier "
+                                                 "level's in the server's prefix cache)")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="with --sweep: write the throughput-vs-latency PNG here")] = None,
     goodput: Annotated[Optional[list[str]], typer.Option(help="SLO in ms, repeatable: ttft:500, tpot:100, e2el:2000")] = None,
     warmup: Annotated[int, typer.Option(help="requests sent (one at a time) before measuring")] = 1,
@@ -127,11 +129,11 @@ def bench_serve(
 
     slos = parse_goodput(goodput or [])
     levels = [int(x) for x in sweep.split(",")] if sweep else [max_concurrency]
-    if prompts_file is None:
-        prompts = random_prompts(num_prompts + warmup, input_len, vocab, seed)
+    if prompts_file is None:  # level i's prompts drawn with seed + i: a sweep that repeated them measured cache hits
+        prompts = [random_prompts(num_prompts + warmup, input_len, vocab, seed + i) for i in range(len(levels))]
     else:
         given = read_prompts(prompts_file)
-        prompts = [given[i % len(given)] for i in range(num_prompts + warmup)]
+        prompts = [[given[i % len(given)] for i in range(num_prompts + warmup)]] * len(levels)
     remote = target.startswith(("http://", "https://"))
     server = (contextlib.nullcontext() if remote
               else LocalServer.leanlm(target, model_name or target, shlex.split(serve_args)))
@@ -139,11 +141,11 @@ def bench_serve(
     with server as local:
         url = target if remote else local.url
         name = model_name or served_model(url, api_key)
-        for level in levels:
+        for level, sent in zip(levels, prompts):
             with Progress(console=err, transient=True, disable=json_) as bar:
                 task = bar.add_task(f"concurrency {level or 'unbounded'}", total=num_prompts)
                 results, seconds = asyncio.run(run_load(
-                    url, name, prompts[warmup:], output_len, request_rate, burstiness, level, api_key, warmup, seed,
+                    url, name, sent, output_len, request_rate, burstiness, level, api_key, warmup, seed,
                     progress=lambda: bar.advance(task)))
             rows.append({**summarize(results, seconds, slos), "max_concurrency": level, "rate": request_rate,
                          "input_len": input_len, "output_len": output_len, "model": name, "url": url})

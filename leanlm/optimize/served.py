@@ -60,7 +60,7 @@ def measure_served(model_dir: Path, args: list[str], prompts: list, levels: tupl
     with LocalServer.leanlm(str(model_dir), "variant", args, timeout=1800) as server:  # --compile: its graphs first
 
         def load(n: int, level: int, warmup: int = 0):
-            batch = list(itertools.islice(queue, n))
+            batch = list(itertools.islice(queue, warmup + n))  # the warm-up first
             return asyncio.run(run_load(server.url, "variant", batch, new_tokens, max_concurrency=level,
                                         warmup=warmup))
 

@@ -40,6 +40,22 @@ def test_bench_serve_measures_a_leanlm_server(tiny_dir, tmp_path):
     assert r.returncode == 2 and "warm-up request failed" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_sweep_never_times_a_prompt_the_server_has_cached(tiny_dir):
+    """Each level sends its own random prompts, and no timed prompt repeats the warm-up one: a repeat would be
+    served from the prefix cache and count as speed (the server's own counter stays at 0 hits)."""
+    import httpx
+
+    args = ["--dtype", "float32", "--threads", "1", "--kv-cache-memory", "16MiB"]
+    with LocalServer.leanlm(str(tiny_dir), "tiny", args) as server:
+        r = leanlm("bench", "serve", server.url, "--num-prompts", "3", "--input-len", "40", "--output-len", "2",
+                   "--vocab", "120", "--sweep", "1,2", "--json")
+        assert r.returncode == 0, r.stderr
+        metrics = httpx.get(f"{server.url}/metrics").text
+    counters = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("vllm:prefix_cache_")}
+    assert counters["vllm:prefix_cache_queries_total"] >= 7 * 40 and counters["vllm:prefix_cache_hits_total"] == 0
+
+
 def test_bench_serve_sends_a_prompt_file_as_completions_and_chats(tiny_dir, tmp_path):
     """--prompts: text lines go to /v1/completions, message lines to /v1/chat/completions (the server's usage counts
     their tokens: the chat's template makes it longer than its text); a bad file is refused before any server."""

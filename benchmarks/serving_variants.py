@@ -1,11 +1,13 @@
 """Does compression make the server faster? leanlm bf16 against its W8A16, W8A8 (SmoothQuant) and W4A16 variants of the
-same model, each served as a user starts it and loaded by `leanlm bench serve` (random token ids, 256 in / 128 out,
-greedy, ignore_eos), one server at a time, no warm-up beyond the one request each bench run sends.
+same model, and llama-server on the W8A16 and W4A16 weights as leanlm exports them to GGUF (Q8_0, Q4_1), each served
+as a user starts it and loaded by `leanlm bench serve --sweep` (random token ids, each level its own, 256 in / 128
+out, greedy, ignore_eos), one server at a time, no warm-up beyond the one request each bench run sends.
 
-    python benchmarks/serving_variants.py [--model smollm2-135m] [--levels 1,4,16,32] [--compile]
+    python benchmarks/serving_variants.py [--model smollm2-135m] [--levels 1,4,16,32] [--compile] [--no-llama]
 
-Prints output tokens/s (and median TPOT) per variant and concurrency, and each variant's ratio to bf16. The variants
-are made once with `leanlm quantize` into ~/.cache/leanlm/bench (as benchmarks/serving.py makes them).
+Prints output tokens/s (and median TPOT) per variant and concurrency, and each variant's ratio to leanlm bf16. The
+variants are made once with `leanlm quantize` and `leanlm export --format gguf` into ~/.cache/leanlm/bench (as
+benchmarks/serving.py makes them); llama-server as benchmarks/serving.py runs it (LEANLM_LLAMA_SERVER).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from serving import LLAMA_SERVER, NAME, llama_server  # noqa: I001  (this folder)
 from leanlm.bench.probe import device_name
 from leanlm.bench.serve import leanlm_command
+from leanlm.models.zoo import resolve
 
 CACHE = Path.home() / ".cache/leanlm/bench"
 VARIANTS = {"W8A16 (rtn)": ("--method", "rtn", "--bits", "8"), "W8A8 (SmoothQuant)": ("--method", "smoothquant"),
@@ -37,28 +41,57 @@ def quantized(model: str, label: str, args: tuple[str, ...]) -> str:
     return str(path)
 
 
-def sweep(model: str, levels: list[int], serve_args: str) -> dict[int, dict]:
-    """One `leanlm bench serve MODEL --sweep` run: a server started cold for it, every level in turn."""
+def sweep(target: str, levels: list[int], *args: str) -> dict[int, dict]:
+    """One `leanlm bench serve TARGET --sweep` run, every level in turn: TARGET a model (a leanlm server started
+    cold for it, `--serve-args` in args) or a running server's URL."""
     n = max(8, 2 * max(levels))
-    cmd = leanlm_command("bench", "serve", model, "--sweep", ",".join(map(str, levels)), "--num-prompts", str(n),
-                         "--input-len", "256", "--output-len", "128", "--json", "--serve-args", serve_args)
+    cmd = leanlm_command("bench", "serve", target, "--sweep", ",".join(map(str, levels)), "--num-prompts", str(n),
+                         "--input-len", "256", "--output-len", "128", "--json", *args)
     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return {row["max_concurrency"]: row for row in json.loads(r.stdout)}
+
+
+def gguf(directory: str) -> Path:
+    """A leanlm model directory as one GGUF file (`leanlm export --format gguf`: W8A16 as Q8_0, W4A16 as Q4_1)."""
+    path = Path(f"{directory}.gguf")
+    if not path.is_file():
+        log(f"exporting {directory} -> {path}")
+        subprocess.run(leanlm_command("export", directory, "--format", "gguf", "-o", str(path)), check=True,
+                       stdout=sys.stderr)
+    return path
+
+
+def llama_sweep(model: str, directory: str, levels: list[int]) -> dict[int, dict] | None:
+    server = llama_server(Path(model), gguf(directory))
+    if server is None:
+        return None
+    with server:
+        return sweep(server.url, levels, "--model-name", NAME)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--levels", default="1,4,16,32")
-    ap.add_argument("--compile", action="store_true", help="serve every variant with --compile")
+    ap.add_argument("--compile", action="store_true", help="serve every leanlm variant with --compile")
+    ap.add_argument("--no-llama", action="store_true", help="leave out llama-server's rows")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
-    serve_args = "--compile" if args.compile else ""
-    rows = {"bf16": sweep(args.model, levels, serve_args)}
+    serve_args = ("--serve-args", "--compile" if args.compile else "")
+    rows = {"bf16": sweep(args.model, levels, *serve_args)}
     log(f"bf16: {[round(rows['bf16'][lv]['output_throughput']) for lv in levels]} tok/s")
     for label, qargs in VARIANTS.items():
-        rows[label] = sweep(quantized(args.model, label, qargs), levels, serve_args)
+        directory = quantized(args.model, label, qargs)
+        rows[label] = sweep(directory, levels, *serve_args)
         log(f"{label}: {[round(rows[label][lv]['output_throughput']) for lv in levels]} tok/s")
+        kind = {"W8A16": "Q8_0", "W4A16": "Q4_1"}.get(label.split()[0])
+        if kind and not args.no_llama:
+            if not LLAMA_SERVER.is_file():
+                log(f"llama-server rows skipped: no {LLAMA_SERVER}")
+                continue
+            curve = llama_sweep(str(resolve(args.model)), directory, levels)
+            if curve is not None:
+                rows[f"llama-server {kind} (the {label.split()[0]} weights)"] = curve
     print(f"{args.model}, {'--compile' if args.compile else 'eager'}, 256 in / 128 out, {device_name()}: output tok/s "
           "(median TPOT ms), and against bf16\n")
     print("| variant | " + " | ".join(f"{lv} concurrent" for lv in levels) + " |")

@@ -77,6 +77,21 @@ def test_a_recipe_distills_between_pruning_and_quantization(tiny_dir, tmp_path):
     assert steps[1]["teacher"] == str(tiny_dir)  # the source, filled in by the CLI
 
 
+def test_a_quantize_recipe_fine_tunes_aqlm_end_to_end_and_its_model_loads(tiny_dir, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("- {method: aqlm, bits: 1, iters: 0, rounds: 1, fit_steps: 2, kmeans_iters: 2}\n"
+                      f"- {{method: distill, steps: 2, batch_size: 2, seq_len: 16, data: {_text(tmp_path)}}}\n")
+    out = tmp_path / "out"
+    r = leanlm("quantize", tiny_dir, "--recipe", recipe, "--samples", "8", "--seq-len", "32", "-o", out)
+    assert r.returncode == 0, r.stderr
+    steps = json.loads((out / "quantization.json").read_text())["recipe"]
+    assert [s["method"] for s in steps][:2] == ["aqlm", "distill"] and steps[1]["teacher"] == str(tiny_dir)
+    model = load_model(out, torch.bfloat16)
+    assert sum(isinstance(m, AdditiveLinear) for m in model.modules()) == 4 * model.config.num_layers
+    logits = model(torch.tensor([[1, 5, 9]]), torch.arange(3)[None])
+    assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
+
+
 def test_a_distill_step_after_quantization_or_without_a_budget_is_refused(tiny_dir):
     model = load_model(tiny_dir, torch.bfloat16)
     apply(model, make_config("rtn", {"bits": 8}))

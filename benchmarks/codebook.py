@@ -200,8 +200,8 @@ def model_table(args) -> Table:
     runs.append(("llama.cpp Q2_K + imatrix (leanlm's writer)", q2k,
                  measured([sys.executable, me, "--q2k-child", args.model, str(calibration), str(q2k)], q2k)))
     record = root / f"quality{args.max_tokens}.json"
-    if record.exists() and len(json.loads(record.read_text())) != len(runs) + 1:
-        record.unlink()  # made for other variants
+    if record.exists() and [r["model"] for r in json.loads(record.read_text())[1:]] != [str(p) for _, p, _ in runs]:
+        record.unlink()  # scored other variants
     if not record.exists():
         wait_quiet()
         rows = quality(args.model, [str(p) for _, p, _ in runs], "bfloat16", "cpu", args.max_tokens)

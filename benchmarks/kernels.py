@@ -3,10 +3,11 @@ and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), p
 kernel over a bf16, an int8 and an int4 pool against gathering the keys and values for torch's SDPA, each as GB/s
 of KV read next to a streaming read of memory), and the cost of QuaRot's online Hadamard on down_proj's input
 (`rotate` with online: true) next to down_proj itself; W8A16 at 8-256 rows (a decode step of many sequences,
-prefill): the int8 kernel, AMX tiles, widened codes and bf16 weights; and W8A8 at 1-1024 rows: the kernel on int8
-codes against torch._int_mm and bf16 weights.
+prefill): the int8 kernel, AMX tiles, widened codes and bf16 weights; W8A8 at 1-1024 rows: the kernel on int8
+codes against torch._int_mm and bf16 weights; and bf16 at 1-256 rows: torch's GEMM, leanlm's bf16_gemm and its
+product on the packed layout (bf16_packed_gemm), as GFLOP/s and the bf16 peak's share.
 
-    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahwq]
+    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahwqb]
 
 Weights and KV pools rotate through ~256 MB or more of copies (30 layers' pools) so that every call reads them from
 memory, as decode does.
@@ -22,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leanlm import kernels
+from leanlm.bench.probe import peaks
 from leanlm.cache.int4 import Int4KVPool
 from leanlm.lowbit.hadamard import OnlineRotation
 from leanlm.lowbit.linear import pack_int4
@@ -211,12 +213,40 @@ def online_hadamard(args) -> None:
     Console(width=150).print(table)
 
 
+
+def bf16_rows(ops, args) -> None:
+    """bf16 products of a whole decoder layer (qkv, o, gate_up and down_proj) at 1-256 rows, the layers' weights
+    rotating through ~256 MB of copies: torch's GEMM, bf16_gemm (plain [N, K] weights) and bf16_packed_gemm (the
+    same weights packed by kernels.pack_bf16)."""
+    peak = peaks("cpu", args.threads).matmul_gflops["bfloat16"]
+    table = Table(title=f"bf16 products of a decoder layer from memory, {args.threads} threads, {ops.bf16_isa()} "
+                        f"loops: microseconds (GFLOP/s, share of the {peak:.0f} GFLOP/s the probe's large bf16 "
+                        "GEMM reaches)")
+    for col in ("rows", "torch (F.linear)", "leanlm bf16_gemm", "leanlm bf16_packed_gemm"):
+        table.add_column(col, justify="right")
+    shapes = [SHAPES[name] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    layers = int(256e6 // (2 * sum(n * k for n, k in shapes)))
+    plain = [[torch.randn(shape, dtype=torch.bfloat16) for shape in shapes] for _ in range(layers)]
+    packed = [[kernels.pack_bf16(w) for w in layer] for layer in plain]
+    products = [torch.nn.functional.linear, ops.bf16_gemm, ops.bf16_packed_gemm]
+    for rows in (1, 2, 4, 8, 16, 32, 64, 256):
+        xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes]
+        flops = 2 * rows * sum(n * k for n, k in shapes)
+        cells = []
+        for product, weights in zip(products, (plain, plain, packed)):
+            t = seconds(lambda xs, ws: [product(x, w) for x, w in zip(xs, ws)], [(xs, ws) for ws in weights],
+                        reps=layers)
+            cells.append(f"{t * 1e6:.0f} ({flops / t / 1e9:.0f}, {flops / t / 1e9 / peak:.0%})")
+        table.add_row(str(rows), *cells)
+    Console(width=150).print(table)
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
-    ap.add_argument("--sections", default="pahwq", help="p: matrix-vector products, a: paged attention, h: the "
-                    "online Hadamard, w: W8A16 at many rows, q: W8A8 at 1-1024 rows (default all)")
+    ap.add_argument("--sections", default="pahwqb", help="p: matrix-vector products, a: paged attention, h: the "
+                    "online Hadamard, w: W8A16 at many rows, q: W8A8 at 1-1024 rows, b: bf16 at 1-256 rows "
+                    "(default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -230,6 +260,8 @@ def main() -> None:
         many_rows(ops, args)
     if "q" in args.sections:
         w8a8_rows(ops, args)
+    if "b" in args.sections:
+        bf16_rows(ops, args)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,29 @@ def test_bf16_gemm_matches_float(ops, N, K, M):
         ops.bf16_gemm(x.float(), w)
 
 
+
+@pytest.mark.parametrize("N, K", [(16, 2), (80, 200), (48, 576), (32, 1536)])  # 1, 5, 3 and 2 tiles of 16 columns
+@pytest.mark.parametrize("M", [1, 3, 8, 19])  # 19: blocks of 8, 8 and 3 rows
+def test_bf16_packed_gemm_matches_float(ops, N, K, M):
+    g = torch.Generator().manual_seed(N * M + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(2 * M, K, generator=g).bfloat16()[::2]  # strided rows: the op makes its own contiguous copy
+    packed = kernels.pack_bf16(w)
+    t = 1 % (N // 16)  # the second tile where there is one
+    assert packed.shape == (N // 16, K // 2, 16, 2) and torch.equal(packed[t, 0, 5], w[t * 16 + 5, :2])
+    y = ops.bf16_packed_gemm(x, packed)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert _rel(y, (x.double() @ w.double().T).float()) < 2 ** -8  # float32 sums, one rounding to bf16
+
+
+def test_bf16_packed_gemm_bad_arguments(ops):
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        kernels.pack_bf16(torch.zeros(24, 8))
+    with pytest.raises(RuntimeError, match=r"packed \[N / 16, K / 2, 16, 2\]"):
+        ops.bf16_packed_gemm(torch.zeros(1, 8).bfloat16(), torch.zeros(16, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="K = 8"):
+        ops.bf16_packed_gemm(torch.zeros(1, 6).bfloat16(), kernels.pack_bf16(torch.zeros(16, 8)))
+
 def test_a_bf16_linear_runs_the_kernel_for_a_few_rows_and_keeps_autograd(monkeypatch):
     calls = []
     real = kernels.ops().bf16_gemm if kernels.ops() is not None else None

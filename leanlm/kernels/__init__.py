@@ -21,6 +21,7 @@ and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). 
                                                    # [N, K/2] int8, masks [N, ceil(K/8)] uint8, scale [N] bf16
     w = ops.int8_24_unpack(values, masks)  # their dense int8 codes [N, K]
     y = ops.bf16_gemm(x, w)  # x [M, K], w [N, K], both bf16 -> [M, N] bf16 (batched decode of 16-bit models)
+    y = ops.bf16_packed_gemm(x, pack_bf16(w))  # the same product on w packed [N/16, K/2, 16, 2] (pack_bf16 below)
     o = ops.paged_attention(q, k, v, tables, lens, block_size[, k_scale, v_scale])  # decode attention, paged KV
 """
 
@@ -108,6 +109,15 @@ def _build(variant: str):
 def ops():
     """leanlm's kernel ops (torch.ops.leanlm_<source hash>), or None where they cannot be built."""
     return build()
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """bf16_packed_gemm's layout: a pair of weights k, k + 1 of 16 columns side by side, 64 bytes, one load.
+    w [N, K] (N % 16 == K % 2 == 0) -> [N/16, K/2, 16, 2] bf16"""
+    N, K = w.shape
+    if N % 16 or K % 2:
+        raise ValueError(f"pack_bf16 needs N % 16 == 0 and K % 2 == 0, got a weight [{N}, {K}]")
+    return w.to(torch.bfloat16).reshape(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
 def bf16_product(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -297,6 +307,7 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::int8_24_gemv", lambda x, values, masks, scale: product(x, values))
     torch.library.register_fake(f"{name}::int8_24_unpack", lambda v, m: v.new_empty(v.shape[0], 2 * v.shape[1]))
     torch.library.register_fake(f"{name}::bf16_gemm", lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake(f"{name}::bf16_packed_gemm", lambda x, w: x.new_empty(x.shape[0], 16 * w.shape[0]))
     torch.library.register_fake(f"{name}::codebook_gemv", lambda x, codes, *_: x.new_empty(
         x.shape[0], codes.shape[2], dtype=torch.float32))
     torch.library.register_fake(f"{name}::codebook_dequant", lambda codes, books, _: books.new_empty(

@@ -19,6 +19,7 @@ from leanlm.engine.engine import Engine, request_output
 from leanlm.engine.sequence import Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
 from leanlm.generation.sampling import SamplingParams
+from leanlm.models.layers import pack_linears
 from leanlm.models.loading import load
 from leanlm.runtime import cpu_count, set_threads
 
@@ -27,6 +28,8 @@ def _engine(model, tokenizer, dtype, device, threads, config: EngineConfig, quie
     """Load the model (and a draft named in config) if named, set the threads, build the engine."""
     if isinstance(model, (str, Path)):
         model, tokenizer = load(model, dtype, device)
+        if config.pack_weights:  # its own copy: no caller holds these modules
+            pack_linears(model)
     elif tokenizer is None:
         raise LeanLMError("LLM(model) with a model object needs its tokenizer too: LLM(model, tokenizer)")
     if config.draft_by_name:

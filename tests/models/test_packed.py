@@ -1,0 +1,77 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leanlm import kernels
+from leanlm.engine import LLM
+from leanlm.generation.sampling import SamplingParams
+from leanlm.models.layers import Linear, PackedLinear, pack_linears
+from leanlm.models.loading import load_model
+
+needs_packed = pytest.mark.skipif(kernels.ops() is None or kernels.ops().bf16_isa() != "avx512bf16",
+                                  reason="bf16_packed_gemm's vector loops need AVX512-BF16")
+
+
+def _linear(N: int, K: int, bias: bool = False) -> Linear:
+    torch.manual_seed(N + K)
+    return Linear(K, N, bias=bias).to(torch.bfloat16)
+
+
+@needs_packed
+def test_packed_linear_matches_the_linear_and_keeps_its_weight():
+    lin = _linear(48, 200, bias=True)
+    packed = PackedLinear(lin)
+    assert torch.equal(packed.weight, lin.weight)
+    x = torch.randn(2, 5, 200).bfloat16()
+    y = packed(x)
+    ref = x.double() @ lin.weight.double().T + lin.bias.double()
+    assert y.shape == (2, 5, 48) and y.dtype == torch.bfloat16
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 2 ** -7
+
+
+@needs_packed
+def test_a_row_gets_the_same_bits_in_any_batch():
+    """Each row's sums run in the same order whatever the number of rows: a sequence's logits do not depend on
+    the batch it decodes in (torch's GEMM picks its blocking by the row count)."""
+    packed = PackedLinear(_linear(96, 576))
+    x = torch.randn(19, 576).bfloat16()
+    whole = packed(x)
+    assert all(torch.equal(packed(x[i:i + 1]), whole[i:i + 1]) for i in range(19))
+    assert torch.equal(packed(x[3:12]), whole[3:12])
+
+
+@needs_packed
+def test_a_packed_linear_cast_from_bf16_falls_back_to_torch():
+    lin = _linear(32, 64, bias=True)
+    packed = PackedLinear(lin).float()
+    x = torch.randn(3, 64)
+    assert torch.allclose(packed(x), F.linear(x, lin.weight.float(), lin.bias.float()))
+
+
+@needs_packed
+def test_pack_linears_swaps_the_bf16_linears_but_a_tied_lm_head(tiny_dir):
+    model, reference = load_model(tiny_dir, torch.bfloat16), load_model(tiny_dir, torch.bfloat16)
+    assert model.lm_head_is_embedding
+    assert pack_linears(model) == 4 * model.config.num_layers
+    assert type(model.lm_head) is Linear and model.lm_head_is_embedding
+    assert pack_linears(model) == 0  # already packed
+    tokens = torch.randint(0, model.config.vocab_size, (1, 24))
+    positions = torch.arange(24)[None]
+    with torch.inference_mode():
+        got, want = model(tokens, positions).float(), reference(tokens, positions).float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_packed
+def test_llm_packs_the_model_it_loads_and_leaves_a_given_one(tiny_dir):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    loaded = LLM(str(tiny_dir), dtype="bfloat16", threads=1, kv_cache_memory="8MiB", quiet=True)
+    assert any(isinstance(m, PackedLinear) for m in loaded.engine.model.modules())
+    unpacked = LLM(str(tiny_dir), dtype="bfloat16", threads=1, kv_cache_memory="8MiB", quiet=True, pack_weights=False)
+    assert not any(isinstance(m, PackedLinear) for m in unpacked.engine.model.modules())
+    model = unpacked.engine.model
+    given = LLM(model, unpacked.engine.tokenizer, threads=1, kv_cache_memory="8MiB", quiet=True)
+    assert given.engine.model is model and not any(isinstance(m, PackedLinear) for m in model.modules())
+    out = loaded.generate(["hello world"], params, progress=False)[0].outputs[0]
+    assert len(out.token_ids) == 6

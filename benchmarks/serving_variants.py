@@ -4,7 +4,7 @@ as a user starts it and loaded by `leanlm bench serve --sweep` (random token ids
 out, greedy, ignore_eos), one server at a time, no warm-up beyond the one request each bench run sends.
 
     python benchmarks/serving_variants.py [--model smollm2-135m] [--levels 1,4,16,32] [--compile]
-                                          [--no-llama | --llama-only] [--variants W8A16,W8A8,W4A16]
+                                          [--no-llama | --llama-only] [--variants W8A16,W8A8,W4A16,unpacked]
 
 Prints output tokens/s (and median TPOT) per variant and concurrency, and each variant's ratio to leanlm bf16. The
 variants are made once with `leanlm quantize` and `leanlm export --format gguf` into ~/.cache/leanlm/bench (as
@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--llama-only", action="store_true", help="bf16 and llama-server's rows only (the leanlm "
                                                               "variants' directories made before)")
     ap.add_argument("--variants", default=",".join(label.split()[0] for label in VARIANTS),
-                    help="which variants next to bf16, by scheme (W8A16,W8A8,W4A16)")
+                    help="which variants next to bf16, by scheme (W8A16,W8A8,W4A16), and `unpacked`: bf16 served "
+                         "with --no-pack-weights (torch's GEMM on the plain weights)")
     args = ap.parse_args()
     chosen = {label: qargs for label, qargs in VARIANTS.items() if label.split()[0] in args.variants.split(",")}
     levels = [int(x) for x in args.levels.split(",")]
@@ -99,6 +100,8 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
     row("bf16", base)
+    if "unpacked" in args.variants.split(","):
+        row("bf16 --no-pack-weights", sweep(args.model, levels, "--serve-args", f"--no-pack-weights {serve_args[1]}"))
     for label, qargs in chosen.items():
         directory = quantized(args.model, label, qargs)
         if not args.llama_only:

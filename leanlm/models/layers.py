@@ -46,10 +46,17 @@ class PackedLinear(nn.Module):
     A row's sums run in the same order at any number of rows, so a sequence's logits do not depend on its batch.
     No backward; `weight` unpacks a copy for code that reads it."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, in_place: bool = False):
+        """in_place: write the packed layout over the Linear's own weight (which is then no longer [N, K]), so a
+        model whose weights share one buffer on huge pages (runtime.empty_on_huge_pages) keeps them there and
+        holds no second copy."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed", kernels.pack_bf16(linear.weight.detach()))  # [N/16, K/2, 16, 2]
+        w = linear.weight.detach()
+        packed = kernels.pack_bf16(w)  # [N/16, K/2, 16, 2]
+        if in_place and w.dtype == torch.bfloat16 and w.is_contiguous():
+            packed = w.view(-1).copy_(packed.view(-1)).view(packed.shape)
+        self.register_buffer("packed", packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     @property
@@ -71,7 +78,8 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Swap the bf16 Linear layers of an inference model on this CPU for PackedLinear where the kernel's loops run
     (AVX512-BF16) and the shape packs (out_features % 16 == in_features % 2 == 0); a Linear that shares its weight
-    (a tied lm_head) stays, as packing would copy it. Returns how many were swapped."""
+    (a tied lm_head) stays, as packing would copy it. Each weight is packed in its own memory. Returns how many
+    were swapped."""
     ops = kernels.ops()
     if ops is None or ops.bf16_isa() != "avx512bf16":
         return 0
@@ -81,7 +89,7 @@ def pack_linears(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if (type(child) is Linear and child.weight.dtype == torch.bfloat16 and child.weight.is_cpu
                     and child.out_features % 16 == 0 and child.in_features % 2 == 0 and id(child.weight) not in shared):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, in_place=True))
                 swapped += 1
     return swapped
 

@@ -52,7 +52,9 @@ def test_a_packed_linear_cast_from_bf16_falls_back_to_torch():
 def test_pack_linears_swaps_the_bf16_linears_but_a_tied_lm_head(tiny_dir):
     model, reference = load_model(tiny_dir, torch.bfloat16), load_model(tiny_dir, torch.bfloat16)
     assert model.lm_head_is_embedding
+    memory = model.layers[0].mlp.down_proj.weight.data_ptr()
     assert pack_linears(model) == 4 * model.config.num_layers
+    assert model.layers[0].mlp.down_proj.packed.data_ptr() == memory  # packed where it was: no second copy
     assert type(model.lm_head) is Linear and model.lm_head_is_embedding
     assert pack_linears(model) == 0  # already packed
     tokens = torch.randint(0, model.config.vocab_size, (1, 24))

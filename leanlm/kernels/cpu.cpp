@@ -630,12 +630,13 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
 #endif
 std::string bf16_isa() { return LEANLM_BF16_DOT; }
 
-// bf16 products on a packed weight (leanlm/lowbit/linear.pack_bf16): w [N, K] stored as [N / 16, K / 2, 16, 2], so
-// one 64-byte load is 16 columns' pair of weights k, k + 1, and `vdpbf16ps` against x's pair (k, k + 1) broadcast
+// bf16 products on a packed weight (leanlm/kernels/__init__.py pack_bf16): w [N, K] stored as [N / 16, K / 2, 16, 2],
+// so one 64-byte load is 16 columns' pair of weights k, k + 1, and `vdpbf16ps` against x's pair (k, k + 1) broadcast
 // adds both products into 16 output lanes: no horizontal sums. A block of MB rows of x by NB tiles of 16 columns
 // keeps MB x NB accumulators in registers (8 x 3: 24 of the 32), each weight load serving MB rows and each
-// broadcast NB tiles. Zen 4, 2 threads, a layer of SmolLM2-135M from memory: 345 GFLOP/s at 32 rows (73% of the
-// bf16 peak) against torch's GEMM at 221, and 27 GB/s of weights at one row against 14 (benchmarks/kernels.py).
+// broadcast NB tiles. Zen 4, 2 threads, a SmolLM2-135M layer from memory: 342 GFLOP/s at 32 rows (84% of the 408
+// torch's large GEMMs reach) against torch's 186 there, and 40 GB/s of weights at one row against its 10
+// (benchmarks/kernels.py --sections b).
 constexpr int64_t kPackRows = 8, kPackTiles = 3;  // rows of x and tiles of 16 columns a block
 
 #if defined(LEANLM_AVX512) && defined(__AVX512BF16__)

@@ -213,7 +213,6 @@ def online_hadamard(args) -> None:
     Console(width=150).print(table)
 
 
-
 def bf16_rows(ops, args) -> None:
     """bf16 products of a whole decoder layer (qkv, o, gate_up and down_proj) at 1-256 rows, the layers' weights
     rotating through ~256 MB of copies: torch's GEMM, bf16_gemm (plain [N, K] weights) and bf16_packed_gemm (the
@@ -239,6 +238,7 @@ def bf16_rows(ops, args) -> None:
             cells.append(f"{t * 1e6:.0f} ({flops / t / 1e9:.0f}, {flops / t / 1e9 / peak:.0%})")
         table.add_row(str(rows), *cells)
     Console(width=150).print(table)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

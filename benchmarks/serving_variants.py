@@ -84,7 +84,8 @@ def main() -> None:
                     help="which variants next to bf16, by scheme (W8A16,W8A8,W4A16), and `unpacked`: bf16 served "
                          "with --no-pack-weights (torch's GEMM on the plain weights)")
     args = ap.parse_args()
-    chosen = {label: qargs for label, qargs in VARIANTS.items() if label.split()[0] in args.variants.split(",")}
+    wanted = args.variants.split(",")
+    chosen = {label: qargs for label, qargs in VARIANTS.items() if label.split()[0] in wanted}
     levels = [int(x) for x in args.levels.split(",")]
     serve_args = ("--serve-args", "--compile" if args.compile else "")
     print(f"{args.model}, {'--compile' if args.compile else 'eager'}, 256 in / 128 out, {device_name()}: output tok/s "
@@ -100,7 +101,7 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
     row("bf16", base)
-    if "unpacked" in args.variants.split(","):
+    if "unpacked" in wanted:
         row("bf16 --no-pack-weights", sweep(args.model, levels, "--serve-args", f"--no-pack-weights {serve_args[1]}"))
     for label, qargs in chosen.items():
         directory = quantized(args.model, label, qargs)

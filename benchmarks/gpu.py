@@ -84,7 +84,9 @@ def random_copy(src: Path, dst: Path) -> Path:
             shutil.copy(f, dst / f.name)
     torch.manual_seed(0)
     config = transformers.AutoConfig.from_pretrained(src)
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(dst)
+    with torch.device(CUDA):  # initialised on the GPU: on the host, the 1.5B's init ran past 110 s of a lease
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(dst)
     return dst
 
 
@@ -129,19 +131,22 @@ def hf_latency(path: Path, prompt: int, new: int) -> tuple[float, float]:
     return ttft, (total - ttft) / (new - 1)
 
 
-def latency(name: str, path: Path, compile: bool) -> Iterator[list]:
+LATENCY_RUNS = {"eager": ("leanlm eager", False, True), "graph": ("leanlm compiled + CUDA graph", True, True),
+                "nograph": ("leanlm compiled, no graph", True, False)}
+
+
+def latency(name: str, path: Path, runs: list[str]) -> Iterator[list]:
     prompt, new = 512, 128
     model = load_model(path, torch.bfloat16, CUDA)
-    runs = [("leanlm eager", False, True)]
-    if compile:
-        runs += [("leanlm compiled + CUDA graph", True, True), ("leanlm compiled, no graph", True, False)]
-    for label, compiled, graphs in runs:
+    for label, compiled, graphs in (LATENCY_RUNS[r] for r in runs if r in LATENCY_RUNS):
         log(f"{name}: {label}")
         latency_module.CompiledDecoder = functools.partial(CompiledDecoder, cuda_graphs=graphs)
         r = bench(model, name, prompt, new, compiled=compiled)
         yield [name, label, r.ttft_ms, r.tpot_ms, r.tokens_per_s, f"{r.mbu:.1%}"]
     latency_module.CompiledDecoder = CompiledDecoder
     del model
+    if "transformers" not in runs:
+        return
     log(f"{name}: transformers generate")
     ttft, tpot = hf_latency(path, prompt, new)
     yield [name, "transformers generate", ttft * 1e3, tpot * 1e3, 1 / tpot, ""]
@@ -176,12 +181,12 @@ def throughput(name: str, path: Path, n: int = 256, inp: int = 256, out: int = 1
     empty_cache()
 
 
-SCHEMES = {"bf16": None, "w8a16": ("rtn", {"bits": 8}), "w4a16 g128": ("rtn", {"bits": 4, "group_size": 128}),
+SCHEMES = {"bf16": None, "w8a16": ("rtn", {"bits": 8}), "w4a16": ("rtn", {"bits": 4, "group_size": 128}),
            "w8a8": ("rtn", {"bits": 8, "act_bits": 8}), "fp8": ("fp8", {})}
 
 
-def quantized(name: str, path: Path, compile: bool) -> Iterator[list]:
-    for scheme, spec in SCHEMES.items():
+def quantized(name: str, path: Path, compile: bool, schemes: list[str]) -> Iterator[list]:
+    for scheme, spec in ((s, SCHEMES[s]) for s in schemes):
         model = load_model(path, torch.bfloat16, CUDA)
         if spec:
             apply(model, make_config(*spec))
@@ -219,6 +224,7 @@ def served(name: str, path: Path, modes: tuple[str, ...] = ("--eager", "--compil
                 r = json.loads(out.stdout)
                 r = r[0] if isinstance(r, list) else r
                 values.append(f"{r['output_throughput']:.0f} ({r['tpot_ms']['p50']:.1f} ms)")
+                log(f"{name}: {label}, {c} concurrent: {values[-1]}")
         yield values
 
 
@@ -261,7 +267,10 @@ def main() -> None:
     ap.add_argument("--model", action="append", required=True, help="model directory (repeatable)")
     ap.add_argument("--random", action="store_true", help="random weights of the directories' shapes")
     ap.add_argument("--sections", default="pltqk")
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled decode row")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled decode rows")
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"section q's schemes, of {', '.join(SCHEMES)}")
+    ap.add_argument("--latency-runs", default="eager,graph,nograph,transformers",
+                    help="section l's rows, of eager, graph, nograph (compiled), transformers")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global CUDA
@@ -281,12 +290,13 @@ def main() -> None:
                  ["model", "dtype", "max |diff| / max |logit|", "top-1 agreement"], parity),
                 ("l", "Batch-1 latency, bf16 (512-token prompt, 128 new tokens)",
                  ["model", "runtime", "TTFT ms", "TPOT ms", "tokens/s", "MBU"],
-                 lambda n, p: latency(n, p, not args.no_compile)),
+                 lambda n, p: latency(n, p, [r for r in args.latency_runs.split(",")
+                                             if not (args.no_compile and r in ("graph", "nograph"))])),
                 ("t", "Offline throughput, bf16 (256 prompts, 256 in, 128 out, greedy)",
                  ["model", "runtime", "requests", "output tokens/s", "seconds"], throughput),
                 ("q", "Quantized decode on the GPU (128-token prompt), tokens/s",
                  ["model", "scheme", "eager batch 1", "eager batch 32", "compiled batch 1"],
-                 lambda n, p: quantized(n, p, not args.no_compile)),
+                 lambda n, p: quantized(n, p, not args.no_compile, args.schemes.split(","))),
                 ("s", "Served on the GPU: `leanlm bench serve` (256 in / 128 out, cold server), output tokens/s",
                  ["model", "server", *(f"{c} concurrent" for c in SERVE_LEVELS)], served)]
     for key, title, columns, fn in sections:

@@ -105,19 +105,22 @@ def many_rows(ops, args) -> None:
 
 
 def w8a8_rows(ops, args) -> None:
-    """W8A8 from one row (decode) to a prefill step's 1024: leanlm's kernel on the int8 codes (int8_gemv_q8), and
-    torch._int_mm with its int32 sums rescaled in one pass (`rescale`, W8A8's path past kernels.int8_rows()) or by
-    tensor ops (as lowbit.primitives.int_matmul_reference does), next to bf16 weights; gate_up_proj and down_proj,
-    weights rotating through ~256 MB of copies, activations already quantized (quantize_rows is the same for all)."""
+    """W8A8 from one row (decode) to a prefill step's 1024: leanlm's kernels on the int8 codes (int8_gemv_q8) and on
+    the same codes packed (int8_packed_gemm, kernels.pack_int8), and torch._int_mm with its int32 sums rescaled in
+    one pass (`rescale`, W8A8's path past kernels.int8_rows()) or by tensor ops (as
+    lowbit.primitives.int_matmul_reference does), next to bf16 weights; gate_up_proj and down_proj, weights rotating
+    through ~256 MB of copies, activations already quantized (quantize_rows is the same for all)."""
     from leanlm.lowbit.primitives import int8_matmul
 
     table = Table(title=f"W8A8 products, {args.threads} threads: microseconds a layer (gate_up_proj and down_proj) "
                         "and G multiply-adds a second")
-    for col in ("rows", "leanlm (int8_gemv_q8)", "_int_mm + rescale", "_int_mm + tensor ops", "bf16 weights (torch)"):
+    for col in ("rows", "leanlm (int8_gemv_q8)", "leanlm packed (int8_packed_gemm)", "_int_mm + rescale",
+                "_int_mm + tensor ops", "bf16 weights (torch)"):
         table.add_column(col, justify="right")
     shapes = [SHAPES["gate_up_proj"], SHAPES["down_proj"]]
     layers = int(256e6 // sum(n * k for n, k in shapes))
     codes = [[torch.randint(-127, 128, shape, dtype=torch.int8) for shape in shapes] for _ in range(layers)]
+    packed = [[kernels.pack_int8(w) for w in layer] for layer in codes]
     wide = [[(torch.randn(*shape) * 0.02).bfloat16() for shape in shapes] for _ in range(layers // 2)]
     scales = [torch.rand(n) for n, _ in shapes]
 
@@ -125,6 +128,7 @@ def w8a8_rows(ops, args) -> None:
         return lambda xs, ws: [product(x, w, s) for x, w, s in zip(xs, ws, scales)]
 
     products = [per_layer(lambda x, w, s: ops.int8_gemv_q8(x[0], x[1], w, s)),
+                per_layer(lambda x, w, s: ops.int8_packed_gemm(x[0], x[1], w, s, torch.float32)),
                 per_layer(lambda x, w, s: ops.rescale(int8_matmul(x[0], w), x[1], s)),
                 per_layer(lambda x, w, s: int8_matmul(x[0], w).float() * x[1][:, None] * s),
                 per_layer(lambda x, w, s: torch.nn.functional.linear(x[2], w))]
@@ -134,8 +138,8 @@ def w8a8_rows(ops, args) -> None:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             xs.append((*ops.quantize_rows(x), x))
         macs = rows * sum(n * k for n, k in shapes)
-        times = [seconds(fn, [(xs, layer) for layer in (wide if i == 3 else codes)], reps=min(layers, 48))
-                 for i, fn in enumerate(products)]
+        times = [seconds(fn, [(xs, layer) for layer in {1: packed, 4: wide}.get(i, codes)],
+                         reps=min(layers, 48)) for i, fn in enumerate(products)]
         table.add_row(str(rows), *(f"{t * 1e6:.0f} ({macs / t / 1e9:.0f})" for t in times))
     Console(width=150).print(table)
 

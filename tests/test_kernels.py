@@ -97,6 +97,43 @@ def test_bf16_packed_gemm_bad_arguments(ops):
     with pytest.raises(RuntimeError, match="K = 8"):
         ops.bf16_packed_gemm(torch.zeros(1, 6).bfloat16(), kernels.pack_bf16(torch.zeros(16, 8)))
 
+
+@pytest.mark.parametrize("N, K", [(16, 4), (80, 200), (48, 576), (32, 1536)])  # 1, 5, 3 and 2 tiles of 16 columns
+@pytest.mark.parametrize("M", [1, 3, 8, 19])  # 19: blocks of 8, 8 and 3 rows
+def test_int8_packed_gemm_gives_int8_gemv_q8s_bits(ops, N, K, M):
+    """Exact int32 sums, then float(sum) * xs * scale: the same bits as that formula in torch (and so as W8A8's
+    torch._int_mm + rescale, and the AVX-512 int8_gemv_q8), in float32 and rounded to bf16 once."""
+    g = torch.Generator().manual_seed(N * M + K)
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)  # -128 too: the sign flip must hold
+    scale = torch.rand(N, generator=g) + 0.5
+    xq, xs = ops.quantize_rows(torch.randn(M, K, generator=g))
+    packed = kernels.pack_int8(w)
+    t = 1 % (N // 16)
+    assert packed.shape == (N // 16, K // 4, 16, 4) and packed.dtype == torch.uint8
+    assert torch.equal(packed[t, 0, 5].view(torch.int8) ^ -128, w[t * 16 + 5, :4])
+    assert torch.equal(kernels.unpack_int8(packed), w)
+    y = ops.int8_packed_gemm(xq, xs, packed, scale, torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y, (xq.long() @ w.long().T).float() * xs[:, None] * scale)
+    if ops.isa() == "avx512":
+        assert torch.equal(y, ops.int8_gemv_q8(xq, xs, w, scale))
+    assert torch.equal(ops.int8_packed_gemm(xq, xs, packed, scale, torch.bfloat16), y.bfloat16())
+
+
+def test_int8_packed_gemm_bad_arguments(ops):
+    w, scale = torch.zeros(16, 8, dtype=torch.int8), torch.ones(16)
+    xq, xs = torch.zeros(2, 8, dtype=torch.int8), torch.ones(2)
+    with pytest.raises(ValueError, match="K % 4 == 0"):
+        kernels.pack_int8(torch.zeros(16, 6, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match=r"packed \[N / 16, K / 4, 16, 4\]"):
+        ops.int8_packed_gemm(xq, xs, w, scale, torch.float32)
+    with pytest.raises(RuntimeError, match="K = 8"):
+        ops.int8_packed_gemm(xq[:, :4].contiguous(), xs, kernels.pack_int8(w), scale, torch.float32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.int8_packed_gemm(xq, xs, kernels.pack_int8(w), scale, torch.float16)
+    with pytest.raises(RuntimeError, match="exact up to K = 32768"):
+        ops.int8_packed_gemm(xq, xs, torch.zeros(1, 8193, 16, 4, dtype=torch.uint8), scale, torch.float32)
+
+
 def test_a_bf16_linear_runs_the_kernel_for_a_few_rows_and_keeps_autograd(monkeypatch):
     calls = []
     real = kernels.ops().bf16_gemm if kernels.ops() is not None else None

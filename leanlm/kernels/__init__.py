@@ -120,6 +120,21 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     return w.to(torch.bfloat16).reshape(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
+def pack_int8(w: torch.Tensor) -> torch.Tensor:
+    """int8_packed_gemm's layout: weights k..k + 3 of 16 columns side by side, 64 bytes, one load; each code + 128
+    (unsigned, as `vpdpbusd` multiplies).  w [N, K] int8 (N % 16 == K % 4 == 0) -> [N/16, K/4, 16, 4] uint8"""
+    N, K = w.shape
+    if N % 16 or K % 4 or w.dtype != torch.int8:
+        raise ValueError(f"pack_int8 needs int8 codes [N, K] with N % 16 == 0 and K % 4 == 0, got {w.dtype} [{N}, {K}]")
+    return (w.view(torch.uint8) ^ 128).reshape(N // 16, 16, K // 4, 4).transpose(1, 2).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int8's inverse: the int8 codes [N, K]"""
+    T, K4 = packed.shape[:2]
+    return (packed ^ 128).transpose(1, 2).reshape(T * 16, K4 * 4).view(torch.int8)
+
+
 def bf16_product(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether bf16_gemm should compute x @ w.T: both bf16 on a CPU whose build has vector loops for it, and x has
     no more rows than bf16_gemm was measured to be faster at (`bf16_rows`)."""
@@ -308,6 +323,8 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::int8_24_unpack", lambda v, m: v.new_empty(v.shape[0], 2 * v.shape[1]))
     torch.library.register_fake(f"{name}::bf16_gemm", lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake(f"{name}::bf16_packed_gemm", lambda x, w: x.new_empty(x.shape[0], 16 * w.shape[0]))
+    torch.library.register_fake(f"{name}::int8_packed_gemm", lambda xq, xs, w, scale, dtype: xq.new_empty(
+        xq.shape[0], 16 * w.shape[0], dtype=dtype))
     torch.library.register_fake(f"{name}::codebook_gemv", lambda x, codes, *_: x.new_empty(
         x.shape[0], codes.shape[2], dtype=torch.float32))
     torch.library.register_fake(f"{name}::codebook_dequant", lambda codes, books, _: books.new_empty(

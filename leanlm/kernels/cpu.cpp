@@ -282,6 +282,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+constexpr int64_t kQ8MaxK = 32768;  // the W8A8 kernels' int32 sums are exact up to this K (below)
+
 #ifdef LEANLM_AVX512
 // W8A8 on AVX-512 VNNI: `vpdpbusd` multiplies 64 unsigned-by-signed byte pairs into 16 int32 lanes, twice the
 // products per instruction of the int16 loops above, read from the int8 codes as they are. The weight's codes are
@@ -291,7 +293,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // Zen 4, 2 threads, the default model's gate_up_proj and down_proj at 32 rows: 200-280 G multiply-adds a second,
 // torch._int_mm 200-240, torch's bf16 GEMM 130-150; the int16 loops ran at half this speed from 8 rows on (one
 // thread). Blocks of 4 x 6 were no faster; past ~64 rows oneDNN's packed GEMM is ahead (int8_rows times the switch).
-constexpr int64_t kQ8MaxK = 32768;
 constexpr int kQ8R = 4, kQ8M = 4;
 
 // the lane sums of a, b, c and d  -> [sum a, sum b, sum c, sum d]
@@ -704,6 +705,124 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
       }
     }
   });
+  return y;
+}
+
+// W8A8 on a packed weight (leanlm/kernels/__init__.py pack_int8): codes w [N, K] stored as [N / 16, K / 4, 16, 4]
+// unsigned (w + 128: the sign bit flipped once, when packed), so one 64-byte load is 16 columns' weights k..k + 3
+// and `vpdpbusd` against x's codes k..k + 3 broadcast adds their 4 products into 16 int32 lanes: bf16_packed_gemm's
+// register blocks with twice the products per instruction, and no horizontal sums (int8_gemv_q8's blocks end in
+// them). As there, sum_k (w + 128) x = sum_k w x + 128 sum_k x, the second term one number per row of x; the sums
+// are exact (K <= kQ8MaxK), so y is bit for bit int8_gemv_q8's (and torch._int_mm + rescale's): float(sum) * xs[m] *
+// scale[n], stored as float32 or rounded to bf16 once.
+#ifdef LEANLM_AVX512
+template <int MB, int NB, typename Out>
+void q8_packed_block(const int8_t* x, const int32_t* xsum, const float* xs, int64_t K, const uint8_t* w,
+                     const float* scale, Out* y, int64_t N) {  // w, scale, y: the block's first tile
+  // int vectors as GCC's own type: an array of __m512i (long long lanes) updated through the int32 intrinsic was
+  // kept on the stack, a load and a store around every product
+  __v16si acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = (__v16si)_mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 4) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * K * 16 + k * 16);
+    for (int m = 0; m < MB; ++m) {
+      int32_t quad;
+      std::memcpy(&quad, x + m * K + k, 4);
+      const __m512i xv = _mm512_set1_epi32(quad);
+      for (int j = 0; j < NB; ++j) acc[m][j] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[m][j], wv[j], xv);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const __m512i exact = _mm512_sub_epi32((__m512i)acc[m][j], _mm512_set1_epi32(128 * xsum[m]));
+      const __m512 sum = _mm512_cvtepi32_ps(exact);
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(xs[m])), _mm512_loadu_ps(scale + 16 * j));
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_storeu_ps(y + m * N + 16 * j, v);
+      } else {
+#ifdef __AVX512BF16__
+        _mm256_storeu_si256((__m256i*)(y + m * N + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+        alignas(64) float f[16];
+        _mm512_store_ps(f, v);
+        for (int i = 0; i < 16; ++i) y[m * N + 16 * j + i] = bf16(f[i]);
+#endif
+      }
+    }
+}
+
+template <typename Out>
+using Q8PackedBlock = void (*)(const int8_t*, const int32_t*, const float*, int64_t, const uint8_t*, const float*,
+                               Out*, int64_t);
+template <typename Out>
+constexpr Q8PackedBlock<Out> kQ8Packed[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 1]
+    {q8_packed_block<1, 1, Out>, q8_packed_block<1, 2, Out>, q8_packed_block<1, 3, Out>},
+    {q8_packed_block<2, 1, Out>, q8_packed_block<2, 2, Out>, q8_packed_block<2, 3, Out>},
+    {q8_packed_block<3, 1, Out>, q8_packed_block<3, 2, Out>, q8_packed_block<3, 3, Out>},
+    {q8_packed_block<4, 1, Out>, q8_packed_block<4, 2, Out>, q8_packed_block<4, 3, Out>},
+    {q8_packed_block<5, 1, Out>, q8_packed_block<5, 2, Out>, q8_packed_block<5, 3, Out>},
+    {q8_packed_block<6, 1, Out>, q8_packed_block<6, 2, Out>, q8_packed_block<6, 3, Out>},
+    {q8_packed_block<7, 1, Out>, q8_packed_block<7, 2, Out>, q8_packed_block<7, 3, Out>},
+    {q8_packed_block<8, 1, Out>, q8_packed_block<8, 2, Out>, q8_packed_block<8, 3, Out>}};
+#endif
+
+template <typename Out>
+void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, const float* scale, Out* yp, int64_t M,
+                       int64_t N, int64_t K) {
+  const int64_t T = N / 16;
+  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> xsum(M);  // each thread its own: a shared copy would cross cores
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += xp[m * K + k];
+      xsum[m] = s;
+    }
+    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
+      const int64_t nb = std::min(kPackTiles, T - t);
+      for (int64_t m0 = 0; m0 < M; m0 += kPackRows) {  // the block's weights stay in L2 for the later rows of x
+        const int64_t mb = std::min(kPackRows, M - m0);
+#ifdef LEANLM_AVX512
+        kQ8Packed<Out>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K, scale + t * 16,
+                                       yp + m0 * N + t * 16, N);
+#else
+        for (int64_t m = m0; m < m0 + mb; ++m)
+          for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
+            int32_t acc = 0;
+            for (int64_t k = 0; k < K; ++k) acc += int32_t(wp[(n / 16) * 16 * K + k / 4 * 64 + n % 16 * 4 + k % 4]) *
+                                                   xp[m * K + k];
+            yp[m * N + n] = Out(float(acc - 128 * xsum[m]) * xs[m] * scale[n]);
+          }
+#endif
+      }
+    }
+  });
+}
+
+// y [M, N] (float32 or bf16: dtype) = xs * scale * (xq w^T), w packed [N / 16, K / 4, 16, 4] uint8 (codes + 128)
+at::Tensor int8_packed_gemm(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& scale,
+                            at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 4 && w.scalar_type() == at::kByte &&
+                  w.is_contiguous() && w.device().is_cpu(),
+              "int8_packed_gemm wants a contiguous uint8 CPU weight packed [N / 16, K / 4, 16, 4], got ", w.sizes());
+  const int64_t N = w.size(0) * 16, K = w.size(1) * 4, M = xq.size(0);
+  TORCH_CHECK(K <= kQ8MaxK, "int8_packed_gemm's int32 sums are exact up to K = ", kQ8MaxK, ", got ", K);
+  TORCH_CHECK(xq.dim() == 2 && xq.size(1) == K && xq.scalar_type() == at::kChar && xq.is_contiguous() &&
+                  xq.device().is_cpu(),
+              "int8_packed_gemm takes contiguous int8 codes xq [M, K] with K = ", K, ", got ", xq.sizes());
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.numel() == M && xs.is_contiguous(),
+              "int8_packed_gemm wants float32 scales of x [M]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
+              "int8_packed_gemm wants float32 scales [N]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int8_packed_gemm writes float32 or bfloat16");
+  at::Tensor y = at::empty({M, N}, xq.options().dtype(dtype));
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (dtype == at::kFloat)
+    q8_packed_product(xp, xs.data_ptr<float>(), wp, scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
+  else
+    q8_packed_product(xp, xs.data_ptr<float>(), wp, scale.data_ptr<float>(), y.data_ptr<bf16>(), M, N, K);
   return y;
 }
 
@@ -1291,6 +1410,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("bf16_packed_gemm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
+  m.def("int8_packed_gemm(Tensor xq, Tensor xs, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("rescale(Tensor acc, Tensor? xs, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
@@ -1310,6 +1430,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("bf16_gemm", bf16_gemm);
   m.impl("bf16_packed_gemm", bf16_packed_gemm);
   m.impl("int8_gemv_q8", int8_gemv_q8);
+  m.impl("int8_packed_gemm", int8_packed_gemm);
   m.impl("quantize_rows", quantize_rows);
   m.impl("rescale", rescale);
   m.impl("int4_gemv", int4_gemv);

@@ -8,6 +8,7 @@ from torch import nn
 
 from leanlm import kernels
 from leanlm.lowbit.hadamard import OnlineRotation
+from leanlm.lowbit.linear import PackedW8A8Linear, W8A8Linear
 from leanlm.models.config import ModelConfig
 from leanlm.runtime import matmul_dtype
 
@@ -75,21 +76,30 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap the bf16 Linear layers of an inference model on this CPU for PackedLinear where the kernel's loops run
-    (AVX512-BF16) and the shape packs (out_features % 16 == in_features % 2 == 0); a Linear that shares its weight
-    (a tied lm_head) stays, as packing would copy it. Each weight is packed in its own memory. Returns how many
-    were swapped."""
+    """Swap an inference model's layers on this CPU for their packed counterparts where the kernels' vector loops
+    run and the shapes pack: bf16 Linear for PackedLinear (AVX512-BF16; out_features % 16 == in_features % 2 == 0),
+    W8A8Linear for PackedW8A8Linear (AVX-512 VNNI; % 16, % 4, in_features <= 32768, where the int32 sums are
+    exact). A Linear that shares its weight (a tied lm_head) stays, as packing would copy it. Each weight is packed
+    in its own memory. Returns how many were swapped."""
     ops = kernels.ops()
-    if ops is None or ops.bf16_isa() != "avx512bf16":
+    if ops is None:
         return 0
+    bf16, int8 = ops.bf16_isa() == "avx512bf16", ops.isa() == "avx512"
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is Linear and child.weight.dtype == torch.bfloat16 and child.weight.is_cpu
-                    and child.out_features % 16 == 0 and child.in_features % 2 == 0 and id(child.weight) not in shared):
+            N, K = getattr(child, "out_features", 0), getattr(child, "in_features", 0)
+            if not (N % 16 == 0 and K % 2 == 0 and getattr(child, "weight", None) is not None and child.weight.is_cpu):
+                continue
+            tied = id(child.weight) in shared
+            if bf16 and type(child) is Linear and child.weight.dtype == torch.bfloat16 and not tied:
                 setattr(parent, name, PackedLinear(child, in_place=True))
-                swapped += 1
+            elif int8 and type(child) is W8A8Linear and K % 4 == 0 and K <= 32768:
+                setattr(parent, name, PackedW8A8Linear(child, in_place=True))
+            else:
+                continue
+            swapped += 1
     return swapped
 
 

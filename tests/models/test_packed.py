@@ -3,13 +3,18 @@ import torch
 import torch.nn.functional as F
 
 from leanlm import kernels
+from leanlm.compress.registry import apply
 from leanlm.engine import LLM
 from leanlm.generation.sampling import SamplingParams
+from leanlm.lowbit.linear import PackedW8A8Linear, W8A8Linear
 from leanlm.models.layers import Linear, PackedLinear, pack_linears
 from leanlm.models.loading import load_model
+from leanlm.pipeline import make_config
 
 needs_packed = pytest.mark.skipif(kernels.ops() is None or kernels.ops().bf16_isa() != "avx512bf16",
                                   reason="bf16_packed_gemm's vector loops need AVX512-BF16")
+needs_vnni = pytest.mark.skipif(kernels.ops() is None or kernels.ops().isa() != "avx512",
+                                reason="int8_packed_gemm's vector loops need AVX-512 VNNI")
 
 
 def _linear(N: int, K: int, bias: bool = False) -> Linear:
@@ -77,3 +82,34 @@ def test_llm_packs_the_model_it_loads_and_leaves_a_given_one(tiny_dir):
     assert given.engine.model is model and not any(isinstance(m, PackedLinear) for m in model.modules())
     out = loaded.generate(["hello world"], params, progress=False)[0].outputs[0]
     assert len(out.token_ids) == 6
+
+
+@needs_vnni
+@pytest.mark.parametrize("act_scale", [None, 0.02])  # per-token codes, one calibrated scale
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_w8a8_gives_the_w8a8_layers_bits(act_scale, dtype):
+    torch.manual_seed(0)
+    layer = W8A8Linear.from_float(torch.nn.Linear(200, 48, bias=True), act_scale=act_scale)
+    codes = layer.weight.clone()
+    x = torch.randn(2, 5, 200).to(dtype)
+    want = layer(x)
+    memory = layer.weight.data_ptr()
+    packed = PackedW8A8Linear(layer, in_place=True)
+    assert packed.packed.data_ptr() == memory and torch.equal(packed.weight, codes)
+    got = packed(x)
+    assert got.shape == (2, 5, 48) and got.dtype == dtype and torch.equal(got, want)
+    assert packed.options() == layer.options() and packed.bits_per_weight == layer.bits_per_weight
+
+
+@needs_vnni
+def test_pack_linears_swaps_the_w8a8_layers_and_keeps_the_logits(tiny_dir):
+    model, reference = (load_model(tiny_dir, torch.bfloat16) for _ in range(2))
+    for m in (model, reference):
+        apply(m, make_config("rtn", {"bits": 8, "act_bits": 8}))
+    pack_linears(model)
+    layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    assert layers and all(type(m) is PackedW8A8Linear for m in layers)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 24))
+    positions = torch.arange(24)[None].expand(2, -1)
+    with torch.inference_mode():
+        assert torch.equal(model(tokens, positions), reference(tokens, positions))

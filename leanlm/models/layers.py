@@ -75,16 +75,36 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PackedEmbedding(nn.Module):
+    """The embedding of a tied pair whose lm_head is a PackedLinear: the table [V, hidden] read from that packed
+    weight (token t: tile t // 16, lane t % 16 of each pair of columns), so the pair keeps one copy."""
+
+    def __init__(self, packed: torch.Tensor):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = packed.shape[0] * 16, packed.shape[1] * 2
+        self.register_buffer("packed", packed)  # [V/16, hidden/2, 16, 2], the lm_head's own
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The [V, hidden] table, unpacked (a copy)."""
+        return self.packed.transpose(1, 2).reshape(self.num_embeddings, self.embedding_dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.packed[tokens // 16, :, tokens % 16].reshape(*tokens.shape, self.embedding_dim)
+
+
 def pack_linears(model: nn.Module) -> int:
     """Swap an inference model's layers on this CPU for their packed counterparts where the kernels' vector loops
     run and the shapes pack: bf16 Linear for PackedLinear (AVX512-BF16; out_features % 16 == in_features % 2 == 0),
     W8A8Linear for PackedW8A8Linear (AVX-512 VNNI; % 16, % 4, in_features <= 32768, where the int32 sums are
-    exact). A Linear that shares its weight (a tied lm_head) stays, as packing would copy it. Each weight is packed
-    in its own memory. Returns how many were swapped."""
+    exact). A Linear tied to an nn.Embedding (an lm_head) is packed with it: the embedding becomes a PackedEmbedding
+    of the same packed weight. Each weight is packed in its own memory. Returns how many Linears were swapped."""
     ops = kernels.ops()
     if ops is None:
         return 0
     bf16, int8 = ops.bf16_isa() == "avx512bf16", ops.isa() == "avx512"
+    tied = {id(m.weight): (parent, name) for parent in model.modules() for name, m in parent.named_children()
+            if type(m) is nn.Embedding}
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     swapped = 0
     for parent in list(model.modules()):
@@ -92,9 +112,12 @@ def pack_linears(model: nn.Module) -> int:
             N, K = getattr(child, "out_features", 0), getattr(child, "in_features", 0)
             if not (N % 16 == 0 and K % 2 == 0 and getattr(child, "weight", None) is not None and child.weight.is_cpu):
                 continue
-            tied = id(child.weight) in shared
-            if bf16 and type(child) is Linear and child.weight.dtype == torch.bfloat16 and not tied:
-                setattr(parent, name, PackedLinear(child, in_place=True))
+            w = child.weight
+            if bf16 and type(child) is Linear and w.dtype == torch.bfloat16 and (id(w) not in shared or id(w) in tied):
+                packed = PackedLinear(child, in_place=True)
+                setattr(parent, name, packed)
+                if id(w) in tied:
+                    setattr(*tied[id(w)], PackedEmbedding(packed.packed))
             elif int8 and type(child) is W8A8Linear and K % 4 == 0 and K <= 32768:
                 setattr(parent, name, PackedW8A8Linear(child, in_place=True))
             else:

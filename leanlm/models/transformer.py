@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from leanlm.models.config import ModelConfig
-from leanlm.models.layers import Block, Linear, RMSNorm, rope_table
+from leanlm.models.layers import Block, Linear, PackedEmbedding, RMSNorm, rope_table
 
 
 class Transformer(nn.Module):
@@ -25,15 +25,17 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device  # in the model's dtype, and a plain parameter in every model (packed or not)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def lm_head_is_embedding(self) -> bool:
-        """Tied and not quantized: the lm_head reads the embedding's own storage."""
+        """Tied and not quantized: the lm_head reads the embedding's own storage (packed or not)."""
+        if isinstance(self.embed_tokens, PackedEmbedding):
+            return getattr(self.lm_head, "packed", None) is self.embed_tokens.packed
         return getattr(self.lm_head, "weight", None) is self.embed_tokens.weight
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

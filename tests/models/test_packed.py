@@ -7,7 +7,7 @@ from leanlm.compress.registry import apply
 from leanlm.engine import LLM
 from leanlm.generation.sampling import SamplingParams
 from leanlm.lowbit.linear import PackedW8A8Linear, W8A8Linear
-from leanlm.models.layers import Linear, PackedLinear, pack_linears
+from leanlm.models.layers import Linear, PackedEmbedding, PackedLinear, pack_linears
 from leanlm.models.loading import load_model
 from leanlm.pipeline import make_config
 
@@ -54,16 +54,21 @@ def test_a_packed_linear_cast_from_bf16_falls_back_to_torch():
 
 
 @needs_packed
-def test_pack_linears_swaps_the_bf16_linears_but_a_tied_lm_head(tiny_dir):
+def test_pack_linears_swaps_the_bf16_linears_and_the_tied_pair(tiny_dir):
     model, reference = load_model(tiny_dir, torch.bfloat16), load_model(tiny_dir, torch.bfloat16)
     assert model.lm_head_is_embedding
     memory = model.layers[0].mlp.down_proj.weight.data_ptr()
-    assert pack_linears(model) == 4 * model.config.num_layers
+    table = model.embed_tokens.weight.data_ptr()
+    assert pack_linears(model) == 4 * model.config.num_layers + 1
     assert model.layers[0].mlp.down_proj.packed.data_ptr() == memory  # packed where it was: no second copy
-    assert type(model.lm_head) is Linear and model.lm_head_is_embedding
+    assert type(model.lm_head) is PackedLinear and type(model.embed_tokens) is PackedEmbedding
+    assert model.embed_tokens.packed is model.lm_head.packed and model.lm_head.packed.data_ptr() == table
+    assert model.lm_head_is_embedding and model.dtype == torch.bfloat16
+    assert torch.equal(model.embed_tokens.weight, reference.embed_tokens.weight)
     assert pack_linears(model) == 0  # already packed
-    tokens = torch.randint(0, model.config.vocab_size, (1, 24))
-    positions = torch.arange(24)[None]
+    tokens = torch.randint(0, model.config.vocab_size, (2, 24))
+    positions = torch.arange(24)[None].expand(2, -1)
+    assert torch.equal(model.embed_tokens(tokens), reference.embed_tokens(tokens))
     with torch.inference_mode():
         got, want = model(tokens, positions).float(), reference(tokens, positions).float()
     assert (got - want).abs().max() <= 0.05 * want.abs().max()

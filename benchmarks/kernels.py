@@ -3,11 +3,12 @@ and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), p
 kernel over a bf16, an int8 and an int4 pool against gathering the keys and values for torch's SDPA, each as GB/s
 of KV read next to a streaming read of memory), and the cost of QuaRot's online Hadamard on down_proj's input
 (`rotate` with online: true) next to down_proj itself; W8A16 at 8-256 rows (a decode step of many sequences,
-prefill): the int8 kernel, AMX tiles, widened codes and bf16 weights; W8A8 at 1-1024 rows: the kernel on int8
-codes against torch._int_mm and bf16 weights; and bf16 at 1-256 rows: torch's GEMM, leanlm's bf16_gemm and its
+prefill): the int8 kernel, AMX tiles, widened codes and bf16 weights; W4A16 at 8-256 rows: the int4 kernel and its
+tiles widened into the bf16 packed layout; W8A8 at 1-1024 rows: the kernels on int8 codes (plain and packed) against
+torch._int_mm and bf16 weights; and bf16 at 1-256 rows: torch's GEMM, leanlm's bf16_gemm and its
 product on the packed layout (bf16_packed_gemm), as GFLOP/s and the bf16 peak's share.
 
-    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahwqb]
+    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahwiqb]
 
 Weights and KV pools rotate through ~256 MB or more of copies (30 layers' pools) so that every call reads them from
 memory, as decode does.
@@ -217,6 +218,34 @@ def online_hadamard(args) -> None:
     Console(width=150).print(table)
 
 
+def int4_rows(ops, args) -> None:
+    """W4A16 (groups of --group-size) at the row counts of a decode step of many sequences and of prefill: leanlm's
+    int4 kernel (int4_gemv) and its tiles widened into the bf16 packed layout per call (int4_packed_gemm), next to
+    the same weights in bf16, packed (bf16_packed_gemm); a layer's gate_up_proj and down_proj from memory."""
+    table = Table(title=f"W4A16 products at many rows, {args.threads} threads: microseconds a layer (gate_up_proj "
+                        "and down_proj, x bf16)")
+    for col in ("rows", "leanlm int4_gemv", "leanlm int4_packed_gemm", "bf16 weights, packed (bf16_packed_gemm)"):
+        table.add_column(col, justify="right")
+    shapes, g = [SHAPES["gate_up_proj"], SHAPES["down_proj"]], args.group_size
+    layers = int(256e6 // sum(n * k for n, k in shapes))
+    codes = [[pack_int4(torch.randint(0, 16, shape, dtype=torch.uint8)) for shape in shapes] for _ in range(layers)]
+    groups = [(torch.rand(k // g, n).bfloat16() * 0.01, torch.randn(k // g, n).bfloat16() * 0.01) for n, k in shapes]
+    packed = [[kernels.pack_bf16(torch.randn(shape).bfloat16()) for shape in shapes] for _ in range(layers // 4)]
+
+    def per_layer(product):  # xs, one layer's weights -> its two products
+        return lambda xs, ws: [product(x, w, *sz) for x, w, sz in zip(xs, ws, groups)]
+
+    products = [per_layer(lambda x, w, s, z: ops.int4_gemv(x, w, s, z, g)),
+                per_layer(lambda x, w, s, z: ops.int4_packed_gemm(x, w, s, z, g)),
+                per_layer(lambda x, w, s, z: ops.bf16_packed_gemm(x, w))]
+    for rows in (8, 16, 32, 64, 128, 256):
+        xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
+        times = [seconds(fn, [(xs, layer) for layer in (packed if i == 2 else codes)], reps=min(layers, 48))
+                 for i, fn in enumerate(products)]
+        table.add_row(str(rows), *(f"{t * 1e6:.0f}" for t in times))
+    Console(width=150).print(table)
+
+
 def bf16_rows(ops, args) -> None:
     """bf16 products of a whole decoder layer (qkv, o, gate_up and down_proj) at 1-256 rows, the layers' weights
     rotating through ~256 MB of copies: torch's GEMM, bf16_gemm (plain [N, K] weights) and bf16_packed_gemm (the
@@ -248,9 +277,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
-    ap.add_argument("--sections", default="pahwqb", help="p: matrix-vector products, a: paged attention, h: the "
-                    "online Hadamard, w: W8A16 at many rows, q: W8A8 at 1-1024 rows, b: bf16 at 1-256 rows "
-                    "(default all)")
+    ap.add_argument("--sections", default="pahwiqb", help="p: matrix-vector products, a: paged attention, h: the "
+                    "online Hadamard, w: W8A16 at many rows, i: W4A16 at many rows, q: W8A8 at 1-1024 rows, b: bf16 "
+                    "at 1-256 rows (default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -262,6 +291,8 @@ def main() -> None:
         online_hadamard(args)
     if "w" in args.sections:
         many_rows(ops, args)
+    if "i" in args.sections:
+        int4_rows(ops, args)
     if "q" in args.sections:
         w8a8_rows(ops, args)
     if "b" in args.sections:

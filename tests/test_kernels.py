@@ -204,6 +204,55 @@ def test_int4_gemv_matches_float(ops, N, K, g, M):
     assert _rel(y, (x.double() @ w.T).float()) < 2e-4
 
 
+@pytest.mark.parametrize("N, K, g", [(48, 256, 64), (32, 128, 32), (16, 384, 128)])  # 3 tiles: one block; 2; 1
+@pytest.mark.parametrize("M", [1, 9, 20])
+def test_int4_packed_gemm_widens_to_the_dequantized_weight(ops, N, K, g, M):
+    """Its widened tiles are the dequantized weight rounded to bf16 (one-hot rows of x read them out exactly), and
+    the product is that weight's in float32 sums, rounded to bf16 once."""
+    gen = torch.Generator().manual_seed(N * M + g)
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(K // g, N, generator=gen) + 0.5).bfloat16()
+    zeros = torch.randn(K // g, N, generator=gen).bfloat16()
+    w = ((q.float() - 8) * scales.float().t().repeat_interleave(g, 1) + zeros.float().t().repeat_interleave(g, 1))
+    w = w.bfloat16()  # W4A16Linear.dequantized_weight, rounded to bf16 once
+    onehot = torch.eye(K)[torch.randperm(K, generator=gen)[:M]].bfloat16()
+    read = ops.int4_packed_gemm(onehot, pack_int4(q), scales, zeros, g)
+    assert torch.equal(read, onehot.float().mm(w.float().T).bfloat16())
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    y = ops.int4_packed_gemm(x, pack_int4(q), scales, zeros, g)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert _rel(y, (x.double() @ w.double().T).float()) < 2 ** -8
+
+
+def _within_a_bf16_step(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """y is ref computed in another order: the same bf16 values but for a rare last-bit difference."""
+    assert y.dtype == ref.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+    assert (y == ref).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("M, D", [(1, 576), (37, 64)])
+def test_rms_norm_is_the_layers_expression(ops, M, D):
+    g = torch.Generator().manual_seed(M + D)
+    x, w = (torch.randn(M, D, generator=g) * 3).bfloat16(), torch.randn(D, generator=g).bfloat16()
+    x32 = x.float()
+    ref = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()  # layers.RMSNorm's torch code
+    _within_a_bf16_step(ops.rms_norm(x, w, 1e-5), ref)
+    with pytest.raises(RuntimeError, match="D % 16 == 0"):
+        ops.rms_norm(x[:, :8], w[:8], 1e-5)
+
+
+@pytest.mark.parametrize("M, I", [(1, 1536), (19, 32)])
+def test_silu_mul_is_the_mlps_expression(ops, M, I):
+    g = torch.Generator().manual_seed(M + I)
+    gate_up = (torch.randn(M, 2 * I, generator=g) * 4).bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # e^x's range ends and zeros
+    gate, up = gate_up.chunk(2, dim=-1)
+    _within_a_bf16_step(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(RuntimeError, match="I % 16 == 0"):
+        ops.silu_mul(gate_up[:, :24])
+
+
 def test_bad_arguments_raise(ops):
     w = torch.zeros(4, 64, dtype=torch.int8)
     with pytest.raises(RuntimeError, match=r"x \[M, K\]"):

@@ -52,6 +52,12 @@ AMX_ROWS = 8
 # On AMX CPUs torch's bf16 GEMM and torch._int_mm run on the tiles too, and the timed switches below gave the same
 # count in 6 of 6 timings on a 2-vCPU Sapphire Rapids: fixed there, so that every process takes the same paths
 AMX_BF16_ROWS = AMX_INT8_ROWS = 4
+# W4A16 from this many rows of bf16 x widens its int4 tiles into bf16_packed_gemm's blocks (int4_packed_gemm) where
+# the CPU has AVX512-BF16 (fewer rows read the codes in int4_gemv); more than deterministic mode's tiles of 16 rows,
+# so that mode keeps one path. benchmarks/kernels.py --sections i (Zen 4, 2 threads, a layer's gate_up_proj and
+# down_proj from memory): int4_gemv 526 / 1021 / 4015 us at 32 / 64 / 256 rows, widened 583 / 954 / 3187 (bf16
+# weights packed: 483 / 863 / 3098)
+INT4_PACKED_ROWS = 64
 TIMED_ROWS = (1, 2, 4, 8, 16)  # row counts at which a kernel is timed against torch's product (faster_rows)
 
 
@@ -323,6 +329,7 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::int8_24_unpack", lambda v, m: v.new_empty(v.shape[0], 2 * v.shape[1]))
     torch.library.register_fake(f"{name}::bf16_gemm", lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake(f"{name}::bf16_packed_gemm", lambda x, w: x.new_empty(x.shape[0], 16 * w.shape[0]))
+    torch.library.register_fake(f"{name}::int4_packed_gemm", lambda x, w, *_: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake(f"{name}::int8_packed_gemm", lambda xq, xs, w, scale, dtype: xq.new_empty(
         xq.shape[0], 16 * w.shape[0], dtype=dtype))
     torch.library.register_fake(f"{name}::codebook_gemv", lambda x, codes, *_: x.new_empty(

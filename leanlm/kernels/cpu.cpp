@@ -673,6 +673,21 @@ constexpr PackedBlock kPacked[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 
     {packed_block<8, 1>, packed_block<8, 2>, packed_block<8, 3>}};
 #endif
 
+// mb (<= kPackRows) rows of x against nb (<= kPackTiles) tiles of a packed weight (w: the first), into y's columns
+void packed_rows(const bf16* x, int64_t K, const bf16* w, bf16* y, int64_t N, int64_t mb, int64_t nb) {
+#if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
+  kPacked[mb - 1][nb - 1](x, K, w, y, N);
+#else
+  for (int64_t m = 0; m < mb; ++m)
+    for (int64_t n = 0; n < nb * 16; ++n) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k)
+        acc += float(x[m * K + k]) * float(w[(n / 16) * 16 * K + k / 2 * 32 + n % 16 * 2 + k % 2]);
+      y[m * N + n] = bf16(acc);
+    }
+#endif
+}
+
 // y [M, N] bf16 = x [M, K] w^T, w packed [N / 16, K / 2, 16, 2] bf16; sums in float32, rounded to bf16 once
 at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.scalar_type() == at::kBFloat16 &&
@@ -689,23 +704,88 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
   at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
       const int64_t nb = std::min(kPackTiles, T - t);
-      for (int64_t m0 = 0; m0 < M; m0 += kPackRows) {  // the block's weights stay in L2 for the later rows of x
-        const int64_t mb = std::min(kPackRows, M - m0);
-#if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
-        kPacked[mb - 1][nb - 1](xp + m0 * K, K, wp + t * 16 * K, yp + m0 * N + t * 16, N);
-#else
-        for (int64_t m = m0; m < m0 + mb; ++m)
-          for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
-            float acc = 0.f;
-            for (int64_t k = 0; k < K; ++k)
-              acc += float(xp[m * K + k]) * float(wp[(n / 16) * 16 * K + k / 2 * 32 + n % 16 * 2 + k % 2]);
-            yp[m * N + n] = bf16(acc);
-          }
-#endif
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += kPackRows)  // the block's weights stay in L2 for the later rows of x
+        packed_rows(xp + m0 * K, K, wp + t * 16 * K, yp + m0 * N + t * 16, N, std::min(kPackRows, M - m0), nb);
     }
   });
   return y;
+}
+
+// W4A16 at many rows (prefill, a large batch) on the packed blocks above: each thread widens a block of tiles of the
+// int4 weight (48 weight rows) into bf16_packed_gemm's layout in a buffer of its own (L2), then runs the packed
+// blocks over every row of x against it (widened_gemm). The widening costs what ~8 rows' products cost, so this
+// pays from a few dozen rows (kernels.INT4_PACKED_ROWS). Widening int8 codes by gathers cost 5x more than their
+// bf16 products at 2 rows and gained nothing at 256, so W8A16 keeps its paths.
+
+// y [M, N] bf16 = x [M, K] bf16 times the weight whose tile t widen(t, out) writes as [K / 2, 16, 2] bf16
+template <typename Widen>
+at::Tensor widened_gemm(const at::Tensor& x, int64_t N, int64_t K, const Widen& widen) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "the product takes bf16 x [M, ", K, "] on the CPU, got ", x.sizes(), " ", x.scalar_type());
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), T = N / 16;
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const bf16* xp = xc.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<bf16> block(kPackTiles * 16 * K);  // this thread's widened tiles
+    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
+      const int64_t nb = std::min(kPackTiles, T - t);
+      for (int64_t j = 0; j < nb; ++j) widen(t + j, block.data() + j * 16 * K);
+      for (int64_t m0 = 0; m0 < M; m0 += kPackRows)
+        packed_rows(xp + m0 * K, K, block.data(), yp + m0 * N + t * 16, N, std::min(kPackRows, M - m0), nb);
+    }
+  });
+  return y;
+}
+
+// int4 tile t as W4A16Linear.dequantized_weight gives it, w = (q - 8) s + z in float32, rounded to bf16 once
+void widen_int4(const uint8_t* w, const bf16* s, const bf16* z, int64_t N, int64_t K, int64_t g, int64_t t, bf16* out) {
+  const uint8_t* tile = w + t * 16 * (K / 2);  // K / 4 groups of 32 bytes: row i's (q[k] | q[k+2] << 4, q[k+1] | ...)
+#if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
+  const __m512i low = _mm512_set1_epi32(15);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  __m512 sv = _mm512_setzero_ps(), zv = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 4) {
+    if (k % g == 0) {
+      sv = bf16x16(s + k / g * N + t * 16);
+      zv = bf16x16(z + k / g * N + t * 16);
+    }
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(tile + k * 8)));
+    const __m512i q[4] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi32(v, 8), low),
+                          _mm512_and_si512(_mm512_srli_epi32(v, 4), low), _mm512_srli_epi32(v, 12)};  // k .. k + 3
+    __m512i h[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512 wf = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q[j]), eight), sv), zv);
+      h[j] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wf));
+    }
+    _mm512_storeu_si512(out + k * 16, _mm512_or_si512(h[0], _mm512_slli_epi32(h[1], 16)));  // the pair (k, k + 1)
+    _mm512_storeu_si512(out + k * 16 + 32, _mm512_or_si512(h[2], _mm512_slli_epi32(h[3], 16)));
+  }
+#else
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t j = k / g * N + t * 16 + i;
+      out[k / 2 * 32 + i * 2 + k % 2] = bf16(float(nibble(w, K, t * 16 + i, k) - 8) * float(s[j]) + float(z[j]));
+    }
+#endif
+}
+
+// y [M, N] bf16 = x [M, K] bf16 times the int4 weight (int4_gemv's arguments), through widened packed tiles
+at::Tensor int4_packed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                            const at::Tensor& zeros, int64_t g) {
+  const int64_t N = w.size(0), K = 2 * w.size(-1);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
+              "int4_packed_gemm wants a contiguous uint8 CPU int4 weight [N, K / 2]");
+  TORCH_CHECK(g > 0 && g % 4 == 0 && K % g == 0 && N % 16 == 0, "int4_packed_gemm needs K (", K,
+              ") a multiple of the group ", g, " (a multiple of 4) and N (", N, ") of 16");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
+                  scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
+                  zeros.is_contiguous(),
+              "int4_packed_gemm wants contiguous bf16 scales and zeros [K / g, N]");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
+  return widened_gemm(x, N, K, [&](int64_t t, bf16* out) { widen_int4(wp, sp, zp, N, K, g, t, out); });
 }
 
 // W8A8 on a packed weight (leanlm/kernels/__init__.py pack_int8): codes w [N, K] stored as [N / 16, K / 4, 16, 4]
@@ -1399,6 +1479,75 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int4(const at::Tensor& x
   return {codes, scale, low};
 }
 
+// The elementwise steps of a bf16 decoder layer in one op each, where eager PyTorch spends 3-8 ops (each a
+// dispatch of several microseconds: at one decode row their overhead, not their bytes, is the cost). Same
+// operations and roundings as the torch expressions they replace (layers.RMSNorm, layers.MLP); reductions and e^x
+// in their own order, so the last bit of a result can differ.
+inline u16x16 to_bf16(f32x16 v) {  // rounded to nearest even, as torch's float -> bf16 (NaN aside)
+#if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
+  return (u16x16)_mm512_cvtneps_pbh((__m512)v);
+#else
+  u32x16 b;
+  std::memcpy(&b, &v, sizeof b);
+  return __builtin_convertvector((b + 0x7FFF + ((b >> 16) & 1)) >> 16, u16x16);
+#endif
+}
+inline void store16(bf16* p, f32x16 v) {
+  const u16x16 h = to_bf16(v);
+  std::memcpy(p, &h, sizeof h);
+}
+inline f32x16 round_bf16(f32x16 v) {  // v rounded to bf16 and back
+  const u32x16 w = __builtin_convertvector(to_bf16(v), u32x16) << 16;
+  f32x16 r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+}
+
+// y = w * bf16(x / sqrt(mean(x^2) + eps)), per row: x [M, D] bf16, w [D] bf16, D % 16 == 0
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+                  w.numel() == x.size(1) && x.size(1) % 16 == 0 && w.is_contiguous() && x.device().is_cpu(),
+              "rms_norm takes bf16 x [M, D] and w [D] with D % 16 == 0, got ", x.sizes(), " and ", w.sizes());
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), D = xc.size(1);
+  at::Tensor y = at::empty_like(xc);
+  const bf16 *xp = xc.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const bf16* row = xp + m * D;
+      f32x16 sq{};
+      for (int64_t d = 0; d < D; d += 16) sq += load16(row + d) * load16(row + d);
+      const float r = 1.f / std::sqrt(sum16(sq) / float(D) + float(eps));
+      for (int64_t d = 0; d < D; d += 16) store16(yp + m * D + d, round_bf16(load16(row + d) * r) * load16(wp + d));
+    }
+  });
+  return y;
+}
+
+// h = bf16(silu(gate)) * up, rounded to bf16: gate_up [M, 2I] bf16 (gate the first I columns), I % 16 == 0
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.size(1) % 32 == 0 &&
+                  gate_up.device().is_cpu(),
+              "silu_mul takes bf16 gate_up [M, 2I] with I % 16 == 0, got ", gate_up.sizes());
+  const at::Tensor gu = gate_up.contiguous();
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor h = at::empty({M, I}, gu.options());
+  const bf16* gp = gu.data_ptr<bf16>();
+  bf16* hp = h.data_ptr<bf16>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t i = 0; i < I; i += 16) {
+        const f32x16 g = load16(gp + m * 2 * I + i);
+        const i32x16 neg = g < 0.f;
+        const f32x16 e = exp16(neg ? g : -g);  // e^-|g|: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below
+        const f32x16 sigmoid = (neg ? e : splat(1.f)) / (1.f + e);
+        store16(hp + m * I + i, round_bf16(g * sigmoid) * load16(gp + m * 2 * I + I + i));
+      }
+  });
+  return h;
+}
+
 std::string isa() { return LEANLM_ISA; }
 
 }  // namespace
@@ -1414,6 +1563,9 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("rescale(Tensor acc, Tensor? xs, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("int4_packed_gemm(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("quantize_int4(Tensor x) -> (Tensor, Tensor, Tensor)");
@@ -1434,6 +1586,9 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("quantize_rows", quantize_rows);
   m.impl("rescale", rescale);
   m.impl("int4_gemv", int4_gemv);
+  m.impl("int4_packed_gemm", int4_packed_gemm);
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_mul", silu_mul);
   m.impl("paged_attention", paged_attention);
   m.impl("paged_attention_int4", paged_attention_int4);
   m.impl("quantize_int4", quantize_int4);

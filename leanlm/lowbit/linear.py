@@ -157,7 +157,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 class W4A16Linear(_QuantLinearBase):
     """Asymmetric 4-bit weights in groups of 32/64/128 along K, 16-bit activations, leanlm's int4 kernel on CPU
-    (kernels/cpu.cpp).  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
+    (kernels/cpu.cpp); from kernels.INT4_PACKED_ROWS rows of bf16 x (prefill, a large batch) on AVX512-BF16 its tiles
+    widened into bf16_packed_gemm's blocks.  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
 
     GROUP_SIZES = (32, 64, 128)
     BITS = 4
@@ -230,9 +231,10 @@ class W4A16Linear(_QuantLinearBase):
             return self._finish(y, x)
         if not x.is_cpu or (ops := kernels.ops()) is None:
             return self._reference(x)
-        y = ops.int4_gemv(x.reshape(-1, self.in_features), self.weight_packed, self.scales, self.zeros,
-                          self.group_size)
-        return self._finish(y, x)
+        x2d = x.reshape(-1, self.in_features)
+        many = x2d.shape[0] >= kernels.INT4_PACKED_ROWS and x2d.dtype == torch.bfloat16
+        int4 = ops.int4_packed_gemm if many and ops.bf16_isa() == "avx512bf16" else ops.int4_gemv
+        return self._finish(int4(x2d, self.weight_packed, self.scales, self.zeros, self.group_size), x)
 
     def _tinygemm_weights_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """CUDA: (packed weight, scales and zeros) in torch's tinygemm layout, whose grid is ours ((q - 8) * scale +

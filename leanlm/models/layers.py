@@ -126,8 +126,18 @@ def pack_linears(model: nn.Module) -> int:
     return swapped
 
 
+def fused_ops(x: torch.Tensor, *params: torch.Tensor):
+    """leanlm's kernels where its fused elementwise ops apply to x (and these weights): bf16 on the CPU, eager (a
+    compiled graph fuses the torch code itself), no autograd; else None."""
+    if x.dtype != torch.bfloat16 or not x.is_cpu or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return None
+    return kernels.ops()
+
+
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * w, computed in float32 like the reference implementations."""
+    """y = x / rms(x) * w, computed in float32 like the reference implementations (one kernel op in eager bf16)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -135,6 +145,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        D = x.shape[-1]
+        if D % 16 == 0 and self.weight.dtype == torch.bfloat16 and (ops := fused_ops(x, self.weight)) is not None:
+            return ops.rms_norm(x.reshape(-1, D), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -222,8 +235,13 @@ class MLP(nn.Module):
         self.rotation = None if cfg.mlp_rotation is None else OnlineRotation(cfg.intermediate_size, cfg.mlp_rotation)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        gate_up = self.gate_up_proj(x)
+        I = gate_up.shape[-1] // 2
+        if I % 16 == 0 and (ops := fused_ops(gate_up)) is not None:  # one op for the three below
+            h = ops.silu_mul(gate_up.reshape(-1, 2 * I)).view(*gate_up.shape[:-1], I)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
         return self.down_proj(h if self.rotation is None else self.rotation(h))
 
 

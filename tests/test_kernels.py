@@ -253,6 +253,21 @@ def test_silu_mul_is_the_mlps_expression(ops, M, I):
         ops.silu_mul(gate_up[:, :24])
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_rope_is_apply_rope(ops, D):
+    from leanlm.models.layers import apply_rope
+
+    g = torch.Generator().manual_seed(D)
+    R, heads, rest = 7, 5, 2
+    qkv = torch.randn(R, (heads + rest) * D, generator=g).bfloat16()
+    angles = torch.rand(R, D // 2, generator=g) * 100
+    cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+    ref = apply_rope(qkv.view(1, R, heads + rest, D)[:, :, :heads], cos[None, :, None], sin[None, :, None])[0]
+    _within_a_bf16_step(ops.rope(qkv, cos, sin, heads), ref)
+    with pytest.raises(RuntimeError, match="D % 32 == 0"):
+        ops.rope(qkv, cos[:, :16], sin[:, :16], heads)
+
+
 def test_bad_arguments_raise(ops):
     w = torch.zeros(4, 64, dtype=torch.int8)
     with pytest.raises(RuntimeError, match=r"x \[M, K\]"):

@@ -1548,6 +1548,37 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return h;
 }
 
+// Rotary embedding of the first `heads` heads of each row of qkv [R, (heads + rest) * D] bf16 by cos, sin [R, D] bf16
+// (rotate_half layout): out [R, heads, D] = bf16(float(bf16(x cos)) + rotated(x) sin), as layers.apply_rope's
+// torch.addcmul(x * cos, rotated, sin) rounds. D % 32 == 0.
+at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 2 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == qkv.size(0) &&
+                  cos.size(1) % 32 == 0 && heads > 0 && heads * cos.size(1) <= qkv.size(1) && qkv.device().is_cpu() &&
+                  qkv.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+                  sin.scalar_type() == at::kBFloat16,
+              "rope takes bf16 qkv [R, >= heads * D], cos and sin [R, D] with D % 32 == 0, got ", qkv.sizes(), " ",
+              cos.sizes());
+  const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  const int64_t R = x.size(0), W = x.size(1), D = c.size(1), half = D / 2;
+  at::Tensor out = at::empty({R, heads, D}, x.options());
+  const bf16 *xp = x.data_ptr<bf16>(), *cp = c.data_ptr<bf16>(), *sp = s.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        const bf16* row = xp + r * W + h * D;
+        for (int64_t d = 0; d < half; d += 16) {
+          const f32x16 lo = load16(row + d), hi = load16(row + half + d);
+          const f32x16 c_lo = load16(cp + r * D + d), c_hi = load16(cp + r * D + half + d);
+          const f32x16 s_lo = load16(sp + r * D + d), s_hi = load16(sp + r * D + half + d);
+          store16(op + (r * heads + h) * D + d, round_bf16(lo * c_lo) - hi * s_lo);
+          store16(op + (r * heads + h) * D + half + d, round_bf16(hi * c_hi) + lo * s_hi);
+        }
+      }
+  });
+  return out;
+}
+
 std::string isa() { return LEANLM_ISA; }
 
 }  // namespace
@@ -1566,6 +1597,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int4_packed_gemm(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("quantize_int4(Tensor x) -> (Tensor, Tensor, Tensor)");
@@ -1589,6 +1621,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int4_packed_gemm", int4_packed_gemm);
   m.impl("rms_norm", rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("rope", rope);
   m.impl("paged_attention", paged_attention);
   m.impl("paged_attention_int4", paged_attention_int4);
   m.impl("quantize_int4", quantize_int4);

@@ -184,7 +184,13 @@ class Attention(nn.Module):
         attention_mask would give them)."""
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin)
+        D, rotated = self.head_dim, self.n_heads + self.n_kv
+        fits = D % 32 == 0 and cos.dtype == torch.bfloat16 and cos.shape[:2] == (B, T)  # not broadcast over B
+        if fits and (ops := fused_ops(qkv)) is not None:  # one op where apply_rope takes five
+            qk = ops.rope(qkv.view(B * T, -1), cos.reshape(B * T, D), sin.reshape(B * T, D), rotated)
+            qk = qk.view(B, T, rotated, D)
+        else:
+            qk = apply_rope(qkv[:, :, :rotated], cos, sin)
         q, k, v = qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], qkv[:, :, self.n_heads + self.n_kv :]
         if cache is None:
             out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, is_causal)

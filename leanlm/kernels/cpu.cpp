@@ -475,16 +475,22 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   return {q, s};
 }
 
+// the int4 weight's arguments of int4_gemv and int4_packed_gemm: groups of g along K, scales and zeros [K / g, N]
+void check_int4(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros, int64_t g, const char* op) {
+  const int64_t N = w.size(0), K = 2 * w.size(-1);
+  TORCH_CHECK(g > 0 && g % 4 == 0 && K % g == 0 && N % 16 == 0, op, " needs K (", K, ") a multiple of the group ", g,
+              " (a multiple of 4) and N (", N, ") of 16");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
+                  scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
+                  zeros.is_contiguous(),
+              op, " wants contiguous bf16 scales and zeros [K / g, N]");
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
                      int64_t g) {
   const int64_t N = w.size(0), K = 2 * w.size(-1), M = x.size(0);
   at::Tensor y = check(x, w, N, K, at::kByte, "a uint8 int4 weight [N, K / 2]");
-  TORCH_CHECK(g > 0 && g % 4 == 0 && K % g == 0 && N % 16 == 0, "int4_gemv needs K (", K,
-              ") a multiple of the group ", g, " (a multiple of 4) and N (", N, ") of 16");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
-                  scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
-                  zeros.is_contiguous(),
-              "int4_gemv wants contiguous bf16 scales and zeros [K / g, N]");
+  check_int4(w, scales, zeros, g, "int4_gemv");
   const Rows r(x);
 #ifdef LEANLM_SIMD
   const int64_t G = K / g;
@@ -777,12 +783,7 @@ at::Tensor int4_packed_gemm(const at::Tensor& x, const at::Tensor& w, const at::
   const int64_t N = w.size(0), K = 2 * w.size(-1);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
               "int4_packed_gemm wants a contiguous uint8 CPU int4 weight [N, K / 2]");
-  TORCH_CHECK(g > 0 && g % 4 == 0 && K % g == 0 && N % 16 == 0, "int4_packed_gemm needs K (", K,
-              ") a multiple of the group ", g, " (a multiple of 4) and N (", N, ") of 16");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
-                  scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
-                  zeros.is_contiguous(),
-              "int4_packed_gemm wants contiguous bf16 scales and zeros [K / g, N]");
+  check_int4(w, scales, zeros, g, "int4_packed_gemm");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
   return widened_gemm(x, N, K, [&](int64_t t, bf16* out) { widen_int4(wp, sp, zp, N, K, g, t, out); });

@@ -25,7 +25,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.norm.weight.device  # in the model's dtype, and a plain parameter in every model (packed or not)
+        return self.norm.weight.device  # a plain parameter in the model dtype even where the embedding is packed
 
     @property
     def dtype(self) -> torch.dtype:

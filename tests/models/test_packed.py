@@ -118,3 +118,26 @@ def test_pack_linears_swaps_the_w8a8_layers_and_keeps_the_logits(tiny_dir):
     positions = torch.arange(24)[None].expand(2, -1)
     with torch.inference_mode():
         assert torch.equal(model(tokens, positions), reference(tokens, positions))
+
+
+def test_the_fused_elementwise_ops_keep_the_logits(tiny_dir, monkeypatch):
+    """RMSNorm, SiLU-and-multiply and the rotary embedding as leanlm's ops (eager bf16 CPU) against the torch
+    expressions they replace: the same logits but for last-bit roundings."""
+    import leanlm.models.layers as layers
+
+    if kernels.ops() is None:
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    model = load_model(tiny_dir, torch.bfloat16)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 24))
+    positions = torch.arange(24)[None].expand(2, -1)
+    calls = []
+    real = layers.fused_ops
+    monkeypatch.setattr(layers, "fused_ops", lambda *a: calls.append(real(*a)) or calls[-1])
+    with torch.inference_mode():
+        fused = model(tokens, positions).float()
+        monkeypatch.setattr(layers, "fused_ops", lambda *a: None)
+        plain = model(tokens, positions).float()
+    used = [ops for ops in calls if ops is not None]
+    assert len(used) >= 3 * model.config.num_layers  # every layer's two norms and its MLP at least
+    assert (fused - plain).abs().max() <= 0.03 * plain.abs().max()
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9

@@ -284,6 +284,17 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 constexpr int64_t kQ8MaxK = 32768;  // the W8A8 kernels' int32 sums are exact up to this K (below)
 
+// sum_k x[m, k] of each of M rows of int8 codes: the W8A8 kernels' 128 x sum term (below)
+std::vector<int32_t> row_sums(const int8_t* x, int64_t M, int64_t K) {
+  std::vector<int32_t> sums(M);
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t s = 0;
+    for (int64_t k = 0; k < K; ++k) s += x[m * K + k];
+    sums[m] = s;
+  }
+  return sums;
+}
+
 #ifdef LEANLM_AVX512
 // W8A8 on AVX-512 VNNI: `vpdpbusd` multiplies 64 unsigned-by-signed byte pairs into 16 int32 lanes, twice the
 // products per instruction of the int16 loops above, read from the int8 codes as they are. The weight's codes are
@@ -351,12 +362,7 @@ void q8_product(const at::Tensor& xq, const float* xs, const at::Tensor& w, cons
   const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
   const int8_t *xp = xq.data_ptr<int8_t>(), *wp = w.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  std::vector<int32_t> xsum(M);
-  for (int64_t m = 0; m < M; ++m) {
-    int32_t s = 0;
-    for (int64_t k = 0; k < K; ++k) s += xp[m * K + k];
-    xsum[m] = s;
-  }
+  const std::vector<int32_t> xsum = row_sums(xp, M, K);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1;) {
       const int R = n + kQ8R <= n1 ? kQ8R : 1;
@@ -854,12 +860,7 @@ void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, con
                        int64_t N, int64_t K) {
   const int64_t T = N / 16;
   at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<int32_t> xsum(M);  // each thread its own: a shared copy would cross cores
-    for (int64_t m = 0; m < M; ++m) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += xp[m * K + k];
-      xsum[m] = s;
-    }
+    const std::vector<int32_t> xsum = row_sums(xp, M, K);  // each thread its own: a shared copy would cross cores
     for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
       const int64_t nb = std::min(kPackTiles, T - t);
       for (int64_t m0 = 0; m0 < M; m0 += kPackRows) {  // the block's weights stay in L2 for the later rows of x

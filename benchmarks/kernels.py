@@ -76,19 +76,22 @@ def products(ops, args) -> None:
 
 def many_rows(ops, args) -> None:
     """W8A16 at the row counts of a decode step of many sequences and of prefill: leanlm's int8 dot-product kernel,
-    its AMX tiles, and a bf16 GEMM on the codes widened per call (W8A16's path without AMX), next to bf16 weights;
-    a layer's gate_up_proj and down_proj, the layers' weights rotating through ~256 MB of copies."""
+    its AMX tiles, a bf16 GEMM on the codes widened per call (W8A16Linear's path without AMX) and the product on
+    packed codes (PackedW8A16Linear's, every row count), next to bf16 weights (torch's GEMM and the packed
+    product); a layer's gate_up_proj and down_proj, the layers' weights rotating through ~256 MB of copies."""
     if not kernels.amx():
         print("no AMX tiles here: int8_amx is not built")
     table = Table(title=f"W8A16 products at many rows, {args.threads} threads: microseconds a layer (gate_up_proj "
                         "and down_proj, x bf16)")
     for col in ("rows", "leanlm int8 (int8_gemv)", "leanlm AMX (int8_amx)", "widened codes + bf16 GEMM",
-                "bf16 weights (torch)"):
+                "leanlm packed codes (w8a16_packed_gemm)", "bf16 weights (torch)", "bf16 packed (bf16_packed_gemm)"):
         table.add_column(col, justify="right")
     shapes = [SHAPES["gate_up_proj"], SHAPES["down_proj"]]
     layers = int(256e6 // sum(n * k for n, k in shapes))
     codes = [[torch.randint(-127, 128, shape, dtype=torch.int8) for shape in shapes] for _ in range(layers)]
     wide = [[w.bfloat16() for w in layer] for layer in codes]
+    packed = [[kernels.pack_pairs(w) for w in layer] for layer in codes]
+    wide_packed = [[kernels.pack_bf16(w) for w in layer] for layer in wide]
     scales = [torch.rand(n, dtype=torch.bfloat16) for n, _ in shapes]
 
     def per_layer(product):  # xs, one layer's weights -> its two products
@@ -96,11 +99,15 @@ def many_rows(ops, args) -> None:
 
     products = [per_layer(ops.int8_gemv), per_layer(ops.int8_amx) if kernels.amx() else None,
                 per_layer(lambda x, w, s: ops.rescale(torch.nn.functional.linear(x, w.bfloat16()), None, s))]
-    for rows in (2, 4, 8, 16, 32, 64, 256):
+    for rows in (1, 2, 4, 8, 16, 32, 64, 256):
         xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes]
         times = [seconds(fn, [(xs, layer) for layer in codes], reps=layers) if fn else None for fn in products]
+        times.append(seconds(per_layer(lambda x, w, s: ops.w8a16_packed_gemm(x, w, s, torch.bfloat16)),
+                             [(xs, layer) for layer in packed], reps=layers))
         times.append(seconds(per_layer(lambda x, w, s: torch.nn.functional.linear(x, w)),
                              [(xs, layer) for layer in wide], reps=layers))
+        times.append(seconds(per_layer(lambda x, w, s: ops.bf16_packed_gemm(x, w)),
+                             [(xs, layer) for layer in wide_packed], reps=layers))
         table.add_row(str(rows), *(f"{t * 1e6:.0f}" if t else "-" for t in times))
     Console(width=150).print(table)
 

@@ -119,6 +119,57 @@ def test_int8_packed_gemm_gives_int8_gemv_q8s_bits(ops, N, K, M):
     assert torch.equal(ops.int8_packed_gemm(xq, xs, packed, scale, torch.bfloat16), y.bfloat16())
 
 
+def _int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded to int16 per row as the kernels' Rows::round_row: round(x * (32767 / max|x|)) to even."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767) / amax, 0)  # (32767 / amax is 32767 * (1 / amax))
+    return torch.round(x.float() * inv).clamp(-32768, 32767).long(), (amax / 32767).reshape(-1)
+
+
+@pytest.mark.parametrize("N, K", [(16, 4), (80, 200), (48, 576), (32, 1536)])  # K 576 and 1536: 3 and 6 chunks
+@pytest.mark.parametrize("M", [1, 3, 8, 19])
+def test_w8a16_packed_gemm_sums_the_int16_rows_exactly(ops, N, K, M):
+    """AVX-512: x rounded to int16 per row (as int8_gemv), exact int32 sums over each 256 columns, added in float32,
+    times x's and the weight's scales: that formula's bits in torch, in float32 and rounded to bf16 once, and a row's
+    bits alone as in any batch. The other builds: float products, close to the float reference."""
+    g = torch.Generator().manual_seed(N * M + K)
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    scale = (torch.rand(N, generator=g) + 0.5).bfloat16()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    packed = kernels.pack_pairs(w)
+    t = 1 % (N // 16)
+    assert packed.shape == (N // 16, K // 2, 16, 2) and packed.dtype == torch.int8
+    assert torch.equal(packed[t, 0, 5], w[t * 16 + 5, :2]) and torch.equal(kernels.unpack_pairs(packed), w)
+    y = ops.w8a16_packed_gemm(x, packed, scale, torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    if ops.isa() == "avx512":
+        xq, xs = _int16_rows(x)
+        sums = torch.zeros(M, N)
+        for c in range(0, K, 256):
+            sums = sums + (xq[:, c:c + 256] @ w[:, c:c + 256].long().T).float()
+        assert torch.equal(y, sums * xs[:, None] * scale.float())
+        assert torch.equal(ops.w8a16_packed_gemm(x[-1:], packed, scale, torch.float32), y[-1:])
+    else:
+        want = x.float() @ w.float().T * scale.float()
+        assert torch.allclose(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert torch.equal(ops.w8a16_packed_gemm(x, packed, scale, torch.bfloat16), y.bfloat16())
+
+
+def test_w8a16_packed_gemm_bad_arguments(ops):
+    w, scale = torch.zeros(16, 8, dtype=torch.int8), torch.ones(16).bfloat16()
+    x = torch.zeros(2, 8).bfloat16()
+    with pytest.raises(ValueError, match="K % 2 == 0"):
+        kernels.pack_pairs(torch.zeros(16, 7, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match=r"packed \[N / 16, K / 2, 16, 2\]"):
+        ops.w8a16_packed_gemm(x, w, scale, torch.float32)
+    with pytest.raises(RuntimeError, match="K = 8"):
+        ops.w8a16_packed_gemm(x[:, :4], kernels.pack_pairs(w), scale, torch.float32)
+    with pytest.raises(RuntimeError, match="bf16 scales"):
+        ops.w8a16_packed_gemm(x, kernels.pack_pairs(w), scale.float(), torch.float32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.w8a16_packed_gemm(x, kernels.pack_pairs(w), scale, torch.float16)
+
+
 def test_int8_packed_gemm_bad_arguments(ops):
     w, scale = torch.zeros(16, 8, dtype=torch.int8), torch.ones(16)
     xq, xs = torch.zeros(2, 8, dtype=torch.int8), torch.ones(2)

@@ -117,13 +117,24 @@ def ops():
     return build()
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """bf16_packed_gemm's layout: a pair of weights k, k + 1 of 16 columns side by side, 64 bytes, one load.
-    w [N, K] (N % 16 == K % 2 == 0) -> [N/16, K/2, 16, 2] bf16"""
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """bf16_packed_gemm's and w8a16_packed_gemm's layout: a pair of weights k, k + 1 of 16 columns side by side, one
+    load (64 bytes of bf16, 32 of int8 codes).  w [N, K] (N % 16 == K % 2 == 0) -> [N/16, K/2, 16, 2], w's dtype"""
     N, K = w.shape
     if N % 16 or K % 2:
-        raise ValueError(f"pack_bf16 needs N % 16 == 0 and K % 2 == 0, got a weight [{N}, {K}]")
-    return w.to(torch.bfloat16).reshape(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
+        raise ValueError(f"packing pairs needs N % 16 == 0 and K % 2 == 0, got a weight [{N}, {K}]")
+    return w.reshape(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """pack_pairs's inverse: the weight [N, K]"""
+    T, K2 = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(T * 16, K2 * 2)
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """bf16_packed_gemm's layout (pack_pairs) in bf16.  w [N, K] -> [N/16, K/2, 16, 2] bf16"""
+    return pack_pairs(w.to(torch.bfloat16))
 
 
 def pack_int8(w: torch.Tensor) -> torch.Tensor:
@@ -332,6 +343,8 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::int4_packed_gemm", lambda x, w, *_: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake(f"{name}::int8_packed_gemm", lambda xq, xs, w, scale, dtype: xq.new_empty(
         xq.shape[0], 16 * w.shape[0], dtype=dtype))
+    torch.library.register_fake(f"{name}::w8a16_packed_gemm", lambda x, w, scale, dtype: x.new_empty(
+        x.shape[0], 16 * w.shape[0], dtype=dtype))
     torch.library.register_fake(f"{name}::codebook_gemv", lambda x, codes, *_: x.new_empty(
         x.shape[0], codes.shape[2], dtype=torch.float32))
     torch.library.register_fake(f"{name}::codebook_dequant", lambda codes, books, _: books.new_empty(

@@ -726,8 +726,8 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
 // W4A16 at many rows (prefill, a large batch) on the packed blocks above: each thread widens a block of tiles of the
 // int4 weight (48 weight rows) into bf16_packed_gemm's layout in a buffer of its own (L2), then runs the packed
 // blocks over every row of x against it (widened_gemm). The widening costs what ~8 rows' products cost, so this
-// pays from a few dozen rows (kernels.INT4_PACKED_ROWS). Widening int8 codes by gathers cost 5x more than their
-// bf16 products at 2 rows and gained nothing at 256, so W8A16 keeps its paths.
+// pays from a few dozen rows (kernels.INT4_PACKED_ROWS). W8A16 has its own packed layout (w8a16_packed_gemm below):
+// widening int8 codes from [N, K] by gathers cost 5x more than their bf16 products at 2 rows.
 
 // y [M, N] bf16 = x [M, K] bf16 times the weight whose tile t widen(t, out) writes as [K / 2, 16, 2] bf16
 template <typename Widen>
@@ -803,6 +803,17 @@ at::Tensor int4_packed_gemm(const at::Tensor& x, const at::Tensor& w, const at::
 // are exact (K <= kQ8MaxK), so y is bit for bit int8_gemv_q8's (and torch._int_mm + rescale's): float(sum) * xs[m] *
 // scale[n], stored as float32 or rounded to bf16 once.
 #ifdef LEANLM_AVX512
+inline void store_out(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_out(bf16* p, __m512 v) {  // rounded to nearest even, as bf16(float)
+#ifdef __AVX512BF16__
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v);
+  for (int i = 0; i < 16; ++i) p[i] = bf16(f[i]);
+#endif
+}
+
 template <int MB, int NB, typename Out>
 void q8_packed_block(const int8_t* x, const int32_t* xsum, const float* xs, int64_t K, const uint8_t* w,
                      const float* scale, Out* y, int64_t N) {  // w, scale, y: the block's first tile
@@ -826,17 +837,7 @@ void q8_packed_block(const int8_t* x, const int32_t* xsum, const float* xs, int6
       const __m512i exact = _mm512_sub_epi32((__m512i)acc[m][j], _mm512_set1_epi32(128 * xsum[m]));
       const __m512 sum = _mm512_cvtepi32_ps(exact);
       const __m512 v = _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(xs[m])), _mm512_loadu_ps(scale + 16 * j));
-      if constexpr (std::is_same_v<Out, float>) {
-        _mm512_storeu_ps(y + m * N + 16 * j, v);
-      } else {
-#ifdef __AVX512BF16__
-        _mm256_storeu_si256((__m256i*)(y + m * N + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
-#else
-        alignas(64) float f[16];
-        _mm512_store_ps(f, v);
-        for (int i = 0; i < 16; ++i) y[m * N + 16 * j + i] = bf16(f[i]);
-#endif
-      }
+      store_out(y + m * N + 16 * j, v);
     }
 }
 
@@ -905,6 +906,120 @@ at::Tensor int8_packed_gemm(const at::Tensor& xq, const at::Tensor& xs, const at
     q8_packed_product(xp, xs.data_ptr<float>(), wp, scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
   else
     q8_packed_product(xp, xs.data_ptr<float>(), wp, scale.data_ptr<float>(), y.data_ptr<bf16>(), M, N, K);
+  return y;
+}
+
+// W8A16 on a packed weight (leanlm/kernels/__init__.py pack_pairs): int8 codes w [N, K] stored as [N / 16, K / 2, 16,
+// 2], so one 32-byte load is 16 columns' codes k, k + 1; widened to int16 (one `vpmovsxbw`), `vpdpwssd` against x's
+// int16 pair (k, k + 1) broadcast adds both products into 16 int32 lanes: bf16_packed_gemm's blocks on half its
+// bytes, at any row count. x is rounded to int16 per row as int8_gemv rounds it; a lane's int32 sum is exact over
+// kW8Chunk columns (|x w| <= 2^22, two a product) and goes to float32 there. A row's y does not depend on the other
+// rows of its batch. y = float(sums) * xs[m] * scale[n], stored as float32 or rounded to bf16 once.
+constexpr int64_t kW8Chunk = 256;
+
+#ifdef LEANLM_AVX512
+template <int MB, int NB, typename Out>
+void w8_packed_block(const int16_t* x, const float* xs, int64_t K, const int8_t* w, const bf16* scale, Out* y,
+                     int64_t N) {  // w, scale, y: the block's first tile
+  alignas(64) float sum[MB][NB][16] = {};  // touched once a chunk: in memory, the registers hold the int32 sums
+  for (int64_t c = 0; c < K; c += kW8Chunk) {
+    __v16si acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) acc[m][j] = (__v16si)_mm512_setzero_si512();
+    for (int64_t k = c; k < std::min(K, c + kW8Chunk); k += 2) {
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j)
+        wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + j * K * 16 + k * 16)));
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xv = pair(x + m * K + k);
+        for (int j = 0; j < NB; ++j) acc[m][j] = (__v16si)_mm512_dpwssd_epi32((__m512i)acc[m][j], wv[j], xv);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j)
+        _mm512_store_ps(sum[m][j], _mm512_add_ps(_mm512_load_ps(sum[m][j]), _mm512_cvtepi32_ps((__m512i)acc[m][j])));
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const __m512 v = _mm512_mul_ps(_mm512_load_ps(sum[m][j]), _mm512_set1_ps(xs[m]));
+      store_out(y + m * N + 16 * j, _mm512_mul_ps(v, bf16x16(scale + 16 * j)));
+    }
+}
+
+template <typename Out>
+using W8PackedBlock = void (*)(const int16_t*, const float*, int64_t, const int8_t*, const bf16*, Out*, int64_t);
+template <typename Out>
+constexpr W8PackedBlock<Out> kW8Packed[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 1]
+    {w8_packed_block<1, 1, Out>, w8_packed_block<1, 2, Out>, w8_packed_block<1, 3, Out>},
+    {w8_packed_block<2, 1, Out>, w8_packed_block<2, 2, Out>, w8_packed_block<2, 3, Out>},
+    {w8_packed_block<3, 1, Out>, w8_packed_block<3, 2, Out>, w8_packed_block<3, 3, Out>},
+    {w8_packed_block<4, 1, Out>, w8_packed_block<4, 2, Out>, w8_packed_block<4, 3, Out>},
+    {w8_packed_block<5, 1, Out>, w8_packed_block<5, 2, Out>, w8_packed_block<5, 3, Out>},
+    {w8_packed_block<6, 1, Out>, w8_packed_block<6, 2, Out>, w8_packed_block<6, 3, Out>},
+    {w8_packed_block<7, 1, Out>, w8_packed_block<7, 2, Out>, w8_packed_block<7, 3, Out>},
+    {w8_packed_block<8, 1, Out>, w8_packed_block<8, 2, Out>, w8_packed_block<8, 3, Out>}};
+#endif
+
+template <typename Out>
+void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale, Out* yp, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), T = N / 16;
+#ifdef LEANLM_AVX512
+  std::vector<int16_t> xq(M * K);  // x's rows rounded to int16, each on the thread that drew it (prefill: many)
+  std::vector<float> xs(M);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "w8a16_packed_gemm", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      std::vector<float> row(K);
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t k = 0; k < K; ++k) row[k] = float(p[m * K + k]);
+        xs[m] = Rows::round_row(row.data(), K, xq.data() + m * K);
+      }
+    });
+  });
+#else
+  const at::Tensor xf = x.to(at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+#endif
+  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
+      const int64_t nb = std::min(kPackTiles, T - t);
+      for (int64_t m0 = 0; m0 < M; m0 += kPackRows) {  // the block's weights stay in L2 for the later rows of x
+        const int64_t mb = std::min(kPackRows, M - m0);
+#ifdef LEANLM_AVX512
+        kW8Packed<Out>[mb - 1][nb - 1](xq.data() + m0 * K, xs.data() + m0, K, wp + t * 16 * K, scale + t * 16,
+                                       yp + m0 * N + t * 16, N);
+#else
+        for (int64_t m = m0; m < m0 + mb; ++m)
+          for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; ++k)
+              acc += xp[m * K + k] * wp[(n / 16) * 16 * K + k / 2 * 32 + n % 16 * 2 + k % 2];
+            yp[m * N + n] = Out(acc * float(scale[n]));
+          }
+#endif
+      }
+    }
+  });
+}
+
+// y [M, N] (float32 or bf16: dtype) = x w^T * scale, x [M, K] float, w packed [N / 16, K / 2, 16, 2] int8, scale [N]
+at::Tensor w8a16_packed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.scalar_type() == at::kChar &&
+                  w.is_contiguous() && w.device().is_cpu(),
+              "w8a16_packed_gemm wants a contiguous int8 CPU weight packed [N / 16, K / 2, 16, 2], got ", w.sizes());
+  const int64_t N = w.size(0) * 16, K = w.size(1) * 2;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && at::isFloatingType(x.scalar_type()) && x.device().is_cpu(),
+              "w8a16_packed_gemm takes float x [M, K] with K = ", K, ", got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N && scale.is_contiguous(),
+              "w8a16_packed_gemm wants bf16 scales [N]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "w8a16_packed_gemm writes float32 or bfloat16");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(dtype));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  if (dtype == at::kFloat)
+    w8_packed_product(xc, wp, scale.data_ptr<bf16>(), y.data_ptr<float>(), N);
+  else
+    w8_packed_product(xc, wp, scale.data_ptr<bf16>(), y.data_ptr<bf16>(), N);
   return y;
 }
 
@@ -1593,6 +1708,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_packed_gemm(Tensor xq, Tensor xs, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
+  m.def("w8a16_packed_gemm(Tensor x, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("rescale(Tensor acc, Tensor? xs, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
@@ -1617,6 +1733,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("bf16_packed_gemm", bf16_packed_gemm);
   m.impl("int8_gemv_q8", int8_gemv_q8);
   m.impl("int8_packed_gemm", int8_packed_gemm);
+  m.impl("w8a16_packed_gemm", w8a16_packed_gemm);
   m.impl("quantize_rows", quantize_rows);
   m.impl("rescale", rescale);
   m.impl("int4_gemv", int4_gemv);

@@ -359,6 +359,37 @@ class PackedW8A8Linear(W8A8Linear):
         return self._finish(ops.int8_packed_gemm(x_q, xs, self.packed, self.scales, dtype), x)
 
 
+class PackedW8A16Linear(W8A16Linear):
+    """A W8A16Linear for inference on an AVX-512 VNNI CPU, its codes kept only in w8a16_packed_gemm's layout
+    (kernels.pack_pairs) for every row count: x rounded to int16 as int8_gemv rounds it, products by `vpdpwssd` on
+    packed tiles with no horizontal sums, and no bf16 copy of the codes past int8_gemv's rows (W8A16Linear without
+    AMX widens all its codes for each such product). A row's output does not depend on its batch. No backward;
+    `weight` unpacks a copy of the codes."""
+
+    def __init__(self, layer: W8A16Linear, in_place: bool = False):
+        """in_place: write the packed layout over the layer's own codes (see PackedLinear)."""
+        _QuantLinearBase.__init__(self, layer.in_features, layer.out_features, layer.bias)
+        w = layer.weight
+        packed = kernels.pack_pairs(w)  # [N/16, K/2, 16, 2] int8
+        if in_place and w.is_contiguous():
+            packed = w.view(-1).copy_(packed.view(-1)).view(packed.shape)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", layer.scales)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 codes [N, K], unpacked (a copy)."""
+        return kernels.unpack_pairs(self.packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if not (x2d.is_cpu and self.packed.is_cpu) or (ops := kernels.ops()) is None:  # moved since (model.to)
+            return self._reference(x)
+        # in x's dtype by the kernel, or float32 where a bias is added first (one rounding, as W8A16Linear)
+        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) and self.bias is None else torch.float32
+        return self._finish(ops.w8a16_packed_gemm(x2d, self.packed, self.scales, dtype), x)
+
+
 def _scaled_mm_fits(x2d: torch.Tensor, N: int) -> bool:
     """torch._scaled_mm with row-wise scales needs a CUDA device of compute capability >= 9.0 and K, N divisible by 16."""
     return (x2d.is_cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(x2d.device) >= (9, 0)

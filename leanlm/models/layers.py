@@ -8,7 +8,7 @@ from torch import nn
 
 from leanlm import kernels
 from leanlm.lowbit.hadamard import OnlineRotation
-from leanlm.lowbit.linear import PackedW8A8Linear, W8A8Linear
+from leanlm.lowbit.linear import PackedW8A8Linear, PackedW8A16Linear, W8A8Linear, W8A16Linear
 from leanlm.models.config import ModelConfig
 from leanlm.runtime import matmul_dtype
 
@@ -62,7 +62,7 @@ class PackedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The [N, K] weight, unpacked (a copy)."""
-        return self.packed.transpose(1, 2).reshape(self.out_features, self.in_features)
+        return kernels.unpack_pairs(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed.dtype != torch.bfloat16 or not self.packed.is_cpu:  # moved or cast since (model.to)
@@ -87,7 +87,7 @@ class PackedEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The [V, hidden] table, unpacked (a copy)."""
-        return self.packed.transpose(1, 2).reshape(self.num_embeddings, self.embedding_dim)
+        return kernels.unpack_pairs(self.packed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.packed[tokens // 16, :, tokens % 16].reshape(*tokens.shape, self.embedding_dim)
@@ -97,8 +97,8 @@ def pack_linears(model: nn.Module) -> int:
     """Swap an inference model's layers on this CPU for their packed counterparts where the kernels' vector loops
     run and the shapes pack: bf16 Linear for PackedLinear (AVX512-BF16; out_features % 16 == in_features % 2 == 0),
     W8A8Linear for PackedW8A8Linear (AVX-512 VNNI; % 16, % 4, in_features <= 32768, where the int32 sums are
-    exact). A Linear tied to an nn.Embedding (an lm_head) is packed with it: the embedding becomes a PackedEmbedding
-    of the same packed weight. Each weight is packed in its own memory. Returns how many Linears were swapped."""
+    exact), W8A16Linear for PackedW8A16Linear (AVX-512 VNNI; % 16, % 2). A Linear tied to an nn.Embedding (an
+    lm_head) is packed with it: the embedding becomes a PackedEmbedding of the same packed weight. Each weight is packed in its own memory. Returns how many Linears were swapped."""
     ops = kernels.ops()
     if ops is None:
         return 0
@@ -120,6 +120,8 @@ def pack_linears(model: nn.Module) -> int:
                     setattr(*tied[id(w)], PackedEmbedding(packed.packed))
             elif int8 and type(child) is W8A8Linear and K % 4 == 0 and K <= 32768:
                 setattr(parent, name, PackedW8A8Linear(child, in_place=True))
+            elif int8 and type(child) is W8A16Linear:
+                setattr(parent, name, PackedW8A16Linear(child, in_place=True))
             else:
                 continue
             swapped += 1

@@ -6,7 +6,7 @@ from leanlm import kernels
 from leanlm.compress.registry import apply
 from leanlm.engine import LLM
 from leanlm.generation.sampling import SamplingParams
-from leanlm.lowbit.linear import PackedW8A8Linear, W8A8Linear
+from leanlm.lowbit.linear import PackedW8A8Linear, PackedW8A16Linear, W8A8Linear, W8A16Linear
 from leanlm.models.layers import Linear, PackedEmbedding, PackedLinear, pack_linears
 from leanlm.models.loading import load_model
 from leanlm.pipeline import make_config
@@ -118,6 +118,44 @@ def test_pack_linears_swaps_the_w8a8_layers_and_keeps_the_logits(tiny_dir):
     positions = torch.arange(24)[None].expand(2, -1)
     with torch.inference_mode():
         assert torch.equal(model(tokens, positions), reference(tokens, positions))
+
+
+@needs_vnni
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_w8a16_matches_the_w8a16_layer_and_any_batch(bias, dtype):
+    """The same int16-rounded rows and codes as W8A16Linear's int8_gemv, summed in another order: equal but for
+    float32 rounding; a row's bits do not depend on the rows beside it."""
+    torch.manual_seed(0)
+    layer = W8A16Linear.from_float(torch.nn.Linear(600, 48, bias=bias))
+    codes = layer.weight.clone()
+    x = torch.randn(2, 5, 600).to(dtype)
+    want = layer(x.float())  # float32 out: the comparison is not blurred by a bf16 rounding
+    memory = layer.weight.data_ptr()
+    packed = PackedW8A16Linear(layer, in_place=True)
+    assert packed.packed.data_ptr() == memory and torch.equal(packed.weight, codes)
+    got = packed(x)
+    assert got.shape == (2, 5, 48) and got.dtype == dtype
+    assert torch.allclose(packed(x.float()), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(packed(x[1, 2:3]), got[1, 2:3])
+    assert packed.bits_per_weight == layer.bits_per_weight and packed.record() == layer.record()
+
+
+@needs_vnni
+def test_pack_linears_swaps_the_w8a16_layers_and_keeps_the_logits(tiny_dir, monkeypatch):
+    """Against the dequantized weights in float32 (W8A16Linear's own paths round x to bf16 past a few rows)."""
+    model, reference = (load_model(tiny_dir, torch.float32) for _ in range(2))
+    for m in (model, reference):
+        apply(m, make_config("rtn", {"bits": 8}))
+    pack_linears(model)
+    layers = [m for m in model.modules() if isinstance(m, W8A16Linear)]
+    assert layers and all(type(m) is PackedW8A16Linear for m in layers)
+    monkeypatch.setattr(W8A16Linear, "forward", W8A16Linear._reference)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 24))
+    positions = torch.arange(24)[None].expand(2, -1)
+    with torch.inference_mode():
+        got, want = model(tokens, positions), reference(tokens, positions)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_the_fused_elementwise_ops_keep_the_logits(tiny_dir, monkeypatch):

@@ -2,11 +2,12 @@
 and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), paged decode attention (leanlm's
 kernel over a bf16, an int8 and an int4 pool against gathering the keys and values for torch's SDPA, each as GB/s
 of KV read next to a streaming read of memory), and the cost of QuaRot's online Hadamard on down_proj's input
-(`rotate` with online: true) next to down_proj itself; W8A16 at 8-256 rows (a decode step of many sequences,
-prefill): the int8 kernel, AMX tiles, widened codes and bf16 weights; W4A16 at 8-256 rows: the int4 kernel and its
-tiles widened into the bf16 packed layout; W8A8 at 1-1024 rows: the kernels on int8 codes (plain and packed) against
-torch._int_mm and bf16 weights; and bf16 at 1-256 rows: torch's GEMM, leanlm's bf16_gemm and its
-product on the packed layout (bf16_packed_gemm), as GFLOP/s and the bf16 peak's share.
+(`rotate` with online: true) next to down_proj itself; W8A16 at 8-256 rows (a decode step of many sequences, prefill):
+the int8 kernel, AMX tiles, widened codes, packed codes and bf16 weights; W4A16 at 1-256 rows: the int4 kernel, its
+tiles widened into the bf16 packed layout and W4A8's int8-activation product on the codes packed for it; W8A8 at
+1-1024 rows: the kernels on int8 codes (plain and packed) against torch._int_mm and bf16 weights; and bf16 at 1-256
+rows: torch's GEMM, leanlm's bf16_gemm and its product on the packed layout (bf16_packed_gemm), as GFLOP/s and the
+bf16 peak's share.
 
     python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahwiqb]
 
@@ -227,15 +228,19 @@ def online_hadamard(args) -> None:
 
 def int4_rows(ops, args) -> None:
     """W4A16 (groups of --group-size) at the row counts of a decode step of many sequences and of prefill: leanlm's
-    int4 kernel (int4_gemv) and its tiles widened into the bf16 packed layout per call (int4_packed_gemm), next to
-    the same weights in bf16, packed (bf16_packed_gemm); a layer's gate_up_proj and down_proj from memory."""
-    table = Table(title=f"W4A16 products at many rows, {args.threads} threads: microseconds a layer (gate_up_proj "
-                        "and down_proj, x bf16)")
-    for col in ("rows", "leanlm int4_gemv", "leanlm int4_packed_gemm", "bf16 weights, packed (bf16_packed_gemm)"):
+    int4 kernel (int4_gemv) and its tiles widened into the bf16 packed layout per call (int4_packed_gemm), the same
+    int4 weights with int8 activations (W4A8: quantize_rows + int4_q8_gemm), next to the same weights in bf16,
+    packed (bf16_packed_gemm); a layer's gate_up_proj and down_proj from memory."""
+    table = Table(title=f"W4A16 and W4A8 products at many rows, {args.threads} threads: microseconds a layer "
+                        "(gate_up_proj and down_proj, x bf16)")
+    for col in ("rows", "leanlm int4_gemv", "leanlm int4_packed_gemm", "W4A8 (int4_q8_gemm, x quantized)",
+                "bf16 weights, packed (bf16_packed_gemm)"):
         table.add_column(col, justify="right")
     shapes, g = [SHAPES["gate_up_proj"], SHAPES["down_proj"]], args.group_size
     layers = int(256e6 // sum(n * k for n, k in shapes))
     codes = [[pack_int4(torch.randint(0, 16, shape, dtype=torch.uint8)) for shape in shapes] for _ in range(layers)]
+    q8_codes = [[kernels.pack_int4_q8(torch.randint(0, 16, shape, dtype=torch.uint8)) for shape in shapes]
+                for _ in range(layers)]
     groups = [(torch.rand(k // g, n).bfloat16() * 0.01, torch.randn(k // g, n).bfloat16() * 0.01) for n, k in shapes]
     packed = [[kernels.pack_bf16(torch.randn(shape).bfloat16()) for shape in shapes] for _ in range(layers // 4)]
 
@@ -244,10 +249,11 @@ def int4_rows(ops, args) -> None:
 
     products = [per_layer(lambda x, w, s, z: ops.int4_gemv(x, w, s, z, g)),
                 per_layer(lambda x, w, s, z: ops.int4_packed_gemm(x, w, s, z, g)),
+                per_layer(lambda x, w, s, z: ops.int4_q8_gemm(*ops.quantize_rows(x), w, s, z, g, torch.bfloat16)),
                 per_layer(lambda x, w, s, z: ops.bf16_packed_gemm(x, w))]
-    for rows in (8, 16, 32, 64, 128, 256):
+    for rows in (1, 8, 16, 32, 64, 128, 256):
         xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
-        times = [seconds(fn, [(xs, layer) for layer in (packed if i == 2 else codes)], reps=min(layers, 48))
+        times = [seconds(fn, [(xs, layer) for layer in (codes, codes, q8_codes, packed)[i]], reps=min(layers, 48))
                  for i, fn in enumerate(products)]
         table.add_row(str(rows), *(f"{t * 1e6:.0f}" for t in times))
     Console(width=150).print(table)

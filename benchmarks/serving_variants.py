@@ -1,10 +1,10 @@
-"""Does compression make the server faster? leanlm bf16 against its W8A16, W8A8 (SmoothQuant) and W4A16 variants of the
-same model, and llama-server on the W8A16 and W4A16 weights as leanlm exports them to GGUF (Q8_0, Q4_1), each served
-as a user starts it and loaded by `leanlm bench serve --sweep` (random token ids, each level its own, 256 in / 128
-out, greedy, ignore_eos), one server at a time, no warm-up beyond the one request each bench run sends.
+"""Does compression make the server faster? leanlm bf16 against its W8A16, W8A8 (SmoothQuant), W4A16 and W4A8 variants
+of the same model, and llama-server on the W8A16 and W4A16 weights as leanlm exports them to GGUF (Q8_0, Q4_1), each
+served as a user starts it and loaded by `leanlm bench serve --sweep` (random token ids, each level its own, 256 in /
+128 out, greedy, ignore_eos), one server at a time, no warm-up beyond the one request each bench run sends.
 
     python benchmarks/serving_variants.py [--model smollm2-135m] [--levels 1,4,16,32] [--compile]
-                                          [--no-llama | --llama-only] [--variants W8A16,W8A8,W4A16,unpacked]
+                                          [--no-llama | --llama-only] [--variants W8A16,W8A8,W4A16,W4A8,unpacked]
 
 Prints output tokens/s (and median TPOT) per variant and concurrency, and each variant's ratio to leanlm bf16. The
 variants are made once with `leanlm quantize` and `leanlm export --format gguf` into ~/.cache/leanlm/bench (as
@@ -26,7 +26,8 @@ from leanlm.models.zoo import resolve
 
 CACHE = Path.home() / ".cache/leanlm/bench"
 VARIANTS = {"W8A16 (rtn)": ("--method", "rtn", "--bits", "8"), "W8A8 (SmoothQuant)": ("--method", "smoothquant"),
-            "W4A16 (rtn, g128)": ("--method", "rtn", "--bits", "4")}
+            "W4A16 (rtn, g128)": ("--method", "rtn", "--bits", "4"),
+            "W4A8 (rtn, g128)": ("--method", "rtn", "--bits", "4", "--act-bits", "8")}
 
 
 def log(msg: str) -> None:
@@ -81,7 +82,7 @@ def main() -> None:
     ap.add_argument("--llama-only", action="store_true", help="bf16 and llama-server's rows only (the leanlm "
                                                               "variants' directories made before)")
     ap.add_argument("--variants", default=",".join(label.split()[0] for label in VARIANTS),
-                    help="which variants next to bf16, by scheme (W8A16,W8A8,W4A16), and `unpacked`: bf16 served "
+                    help="which variants next to bf16, by scheme (W8A16,W8A8,W4A16,W4A8), and `unpacked`: bf16 served "
                          "with --no-pack-weights (torch's GEMM on the plain weights)")
     args = ap.parse_args()
     wanted = args.variants.split(",")

@@ -170,6 +170,47 @@ def test_w8a16_packed_gemm_bad_arguments(ops):
         ops.w8a16_packed_gemm(x, kernels.pack_pairs(w), scale, torch.float16)
 
 
+@pytest.mark.parametrize("N, K, g", [(16, 32, 32), (80, 192, 64), (48, 576, 64), (32, 1536, 128)])
+@pytest.mark.parametrize("M", [1, 3, 8, 19])  # 19: blocks of 4 rows and 3
+def test_int4_q8_gemm_sums_each_group_exactly(ops, N, K, g, M):
+    """W4A8: x's int8 codes against int4 codes 0..15 on W4A16's grid, (q - 8) s + z per group: the float64 formula
+    within float32's rounding of the groups' sums; bf16 is float32 rounded once; a row alone gets a batch's bits."""
+    gen = torch.Generator().manual_seed(N * M + K)
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen)
+    s = (torch.rand(K // g, N, generator=gen) * 0.01).bfloat16()
+    z = (torch.randn(K // g, N, generator=gen) * 0.01).bfloat16()
+    xq, xs = ops.quantize_rows(torch.randn(M, K, generator=gen))
+    packed = kernels.pack_int4_q8(q)
+    t = 1 % (N // 16)
+    assert packed.shape == (N // 16, K // 8, 16, 4) and torch.equal(kernels.unpack_int4_q8(packed), q)
+    assert packed[t, 0, 5, 2] == q[t * 16 + 5, 2] | q[t * 16 + 5, 6] << 4
+    w = (q.double() - 8) * s.double().t().repeat_interleave(g, 1) + z.double().t().repeat_interleave(g, 1)
+    want = (xq.double() @ w.T) * xs.double()[:, None]
+    y = ops.int4_q8_gemm(xq, xs, packed, s, z, g, torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(ops.int4_q8_gemm(xq, xs, packed, s, z, g, torch.bfloat16), y.bfloat16())
+    assert torch.equal(ops.int4_q8_gemm(xq[-1:], xs[-1:], packed, s, z, g, torch.float32), y[-1:])
+
+
+def test_int4_q8_gemm_bad_arguments(ops):
+    q, s, z = torch.zeros(16, 64, dtype=torch.uint8), torch.ones(2, 16).bfloat16(), torch.zeros(2, 16).bfloat16()
+    xq, xs = torch.zeros(2, 64, dtype=torch.int8), torch.ones(2)
+    with pytest.raises(ValueError, match="K % 8 == 0"):
+        kernels.pack_int4_q8(torch.zeros(16, 12, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match=r"packed \[N / 16, K / 8, 16, 4\]"):
+        ops.int4_q8_gemm(xq, xs, q, s, z, 32, torch.float32)
+    packed = kernels.pack_int4_q8(q)
+    with pytest.raises(RuntimeError, match="a multiple of 8"):
+        ops.int4_q8_gemm(xq, xs, packed, s, z, 12, torch.float32)
+    with pytest.raises(RuntimeError, match=r"scales and zeros \[K / g, N\]"):
+        ops.int4_q8_gemm(xq, xs, packed, s, z, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="K = 64"):
+        ops.int4_q8_gemm(xq[:, :32].contiguous(), xs, packed, s, z, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.int4_q8_gemm(xq, xs, packed, s, z, 32, torch.float16)
+
+
 def test_int8_packed_gemm_bad_arguments(ops):
     w, scale = torch.zeros(16, 8, dtype=torch.int8), torch.ones(16)
     xq, xs = torch.zeros(2, 8, dtype=torch.int8), torch.ones(2)

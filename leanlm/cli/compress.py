@@ -36,8 +36,8 @@ def quantize(
                                                     "8, gptq/awq/hqq/autoround 4, aqlm 2)")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="int4 group size along K: 32, 64 or 128 (default; a "
                                                           "layer whose K it does not divide gets the largest that does)")] = None,
-    act_bits: Annotated[Optional[int], typer.Option(help="rtn: 16 weight-only (default) or 8 (W8A8, per-token int8 "
-                                                        "activations)")] = None,
+    act_bits: Annotated[Optional[int], typer.Option(help="16 weight-only (default) or 8: per-token int8 activations "
+                                                        "(rtn: W8A8 or W4A8; gptq/awq/hqq/autoround: W4A8)")] = None,
     symmetric: Annotated[Optional[bool], typer.Option("--symmetric/--asymmetric", help="int4 grid: absmax codes -8..7 "
                                                       "(llm-compressor's default scheme) or zero points (default); "
                                                       "8-bit weights are always symmetric")] = None,

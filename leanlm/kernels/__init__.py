@@ -152,6 +152,24 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return (packed ^ 128).transpose(1, 2).reshape(T * 16, K4 * 4).view(torch.int8)
 
 
+def pack_int4_q8(codes: torch.Tensor) -> torch.Tensor:
+    """int4_q8_gemm's layout: per 16 rows and 8 columns k..k + 7, 64 bytes where byte (i, c) holds row i's code
+    k + c in its low nibble and k + 4 + c in its high one, so a mask and a shift give two `vpdpbusd` operands.
+    codes [N, K] in 0..15 (N % 16 == K % 8 == 0) -> [N/16, K/8, 16, 4] uint8"""
+    N, K = codes.shape
+    if N % 16 or K % 8:
+        raise ValueError(f"pack_int4_q8 needs N % 16 == 0 and K % 8 == 0, got codes [{N}, {K}]")
+    c = codes.to(torch.uint8).reshape(N // 16, 16, K // 8, 2, 4)
+    return (c[:, :, :, 0] | c[:, :, :, 1] << 4).transpose(1, 2).contiguous()
+
+
+def unpack_int4_q8(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4_q8's inverse: the codes [N, K] uint8"""
+    T, K8 = packed.shape[:2]
+    both = torch.stack([packed & 15, packed >> 4], 3)  # [T, K/8, 16, 2, 4]
+    return both.permute(0, 2, 1, 3, 4).reshape(T * 16, K8 * 8)
+
+
 def bf16_product(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether bf16_gemm should compute x @ w.T: both bf16 on a CPU whose build has vector loops for it, and x has
     no more rows than bf16_gemm was measured to be faster at (`bf16_rows`)."""
@@ -345,6 +363,8 @@ def _register_fakes(name: str) -> None:
         xq.shape[0], 16 * w.shape[0], dtype=dtype))
     torch.library.register_fake(f"{name}::w8a16_packed_gemm", lambda x, w, scale, dtype: x.new_empty(
         x.shape[0], 16 * w.shape[0], dtype=dtype))
+    torch.library.register_fake(f"{name}::int4_q8_gemm", lambda xq, xs, w, scales, zeros, g, dtype: xq.new_empty(
+        xq.shape[0], 16 * w.shape[0], dtype=dtype))
     torch.library.register_fake(f"{name}::codebook_gemv", lambda x, codes, *_: x.new_empty(
         x.shape[0], codes.shape[2], dtype=torch.float32))
     torch.library.register_fake(f"{name}::codebook_dequant", lambda codes, books, _: books.new_empty(

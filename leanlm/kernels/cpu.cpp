@@ -1023,6 +1023,142 @@ at::Tensor w8a16_packed_gemm(const at::Tensor& x, const at::Tensor& w, const at:
   return y;
 }
 
+// W4A8 on packed codes (leanlm/kernels/__init__.py pack_int4_q8): W4A16's int4 codes 0..15 (groups of g along K,
+// scales and zeros as W4A16's) stored as [N / 16, K / 8, 16, 4] bytes, the low nibble of byte (i, c) row i's code
+// k + c and the high nibble its code k + 4 + c, for each 8 columns k..k + 7. One 64-byte load, a mask, and a shift
+// and a mask give two vectors of 16 rows' codes k..k + 3 and k + 4..k + 7, each a `vpdpbusd` operand against x's
+// int8 codes (W8A8's per-token activations) broadcast: 4 products (codes by signed x) into 16 int32 lanes an
+// instruction, as int8_packed_gemm. Per group x w = s (x q) + (z - 8 s) x, sum q x and sum x exact integers;
+// y = xs * sum over the groups of that, in float32. MB rows of x by NB tiles a block (kQ4Rows below).
+#ifdef LEANLM_AVX512
+template <int MB, int NB, typename Out>
+void int4_q8_block(const int8_t* x, const int32_t* xsum, const float* xs, int64_t K, const uint8_t* w,
+                   const bf16* scales, const bf16* zeros, int64_t g, Out* y, int64_t N) {  // w...y: the first tile
+  const int64_t G = K / g;
+  const __m512i low = _mm512_set1_epi8(15);
+  alignas(64) float sum[MB][NB][16] = {};  // touched once a group: in memory, the registers hold the int32 sums
+  for (int64_t j = 0; j < G; ++j) {
+    __v16si acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) acc[m][b] = (__v16si)_mm512_setzero_si512();
+    for (int64_t k = j * g; k < (j + 1) * g; k += 8) {
+      __m512i lo[NB], hi[NB];
+      for (int b = 0; b < NB; ++b) {
+        const __m512i v = _mm512_loadu_si512(w + b * 8 * K + k * 8);
+        lo[b] = _mm512_and_si512(v, low);
+        hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int h = 0; h < 2; ++h)  // codes k..k + 3 for every row, then k + 4..k + 7: a sum's products far apart
+        for (int m = 0; m < MB; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, x + m * K + k + 4 * h, 4);
+          const __m512i xv = _mm512_set1_epi32(quad);
+          for (int b = 0; b < NB; ++b)
+            acc[m][b] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[m][b], h ? hi[b] : lo[b], xv);
+        }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m512 s = bf16x16(scales + j * N + 16 * b);
+      const __m512 zb = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16(zeros + j * N + 16 * b));
+      for (int m = 0; m < MB; ++m) {
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps((__m512i)acc[m][b]), s, _mm512_load_ps(sum[m][b]));
+        _mm512_store_ps(sum[m][b], _mm512_fmadd_ps(zb, _mm512_set1_ps(float(xsum[m * G + j])), v));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NB; ++b)
+      store_out(y + m * N + 16 * b, _mm512_mul_ps(_mm512_load_ps(sum[m][b]), _mm512_set1_ps(xs[m])));
+}
+
+template <typename Out>
+using Int4Q8Block = void (*)(const int8_t*, const int32_t*, const float*, int64_t, const uint8_t*, const bf16*,
+                             const bf16*, int64_t, Out*, int64_t);
+template <typename Out>
+constexpr Int4Q8Block<Out> kInt4Q8[4][kPackTiles] = {  // [rows - 1][tiles - 1]
+    {int4_q8_block<1, 1, Out>, int4_q8_block<1, 2, Out>, int4_q8_block<1, 3, Out>},
+    {int4_q8_block<2, 1, Out>, int4_q8_block<2, 2, Out>, int4_q8_block<2, 3, Out>},
+    {int4_q8_block<3, 1, Out>, int4_q8_block<3, 2, Out>, int4_q8_block<3, 3, Out>},
+    {int4_q8_block<4, 1, Out>, int4_q8_block<4, 2, Out>, int4_q8_block<4, 3, Out>}};
+#endif
+// rows of x a block: 4, where 8 (the other packed products' count) ran 10-18% slower at 32-256 rows (Zen 4, groups
+// of 64): the 24 int32 sums and the group's epilogue did not fit the registers together
+constexpr int64_t kQ4Rows = 4;
+
+// code k of row n in the layout above
+inline int q8_nibble(const uint8_t* w, int64_t K, int64_t n, int64_t k) {
+  const uint8_t b = w[(n / 16) * 8 * K + (k / 8) * 64 + (n % 16) * 4 + k % 4];
+  return k % 8 < 4 ? b & 15 : b >> 4;
+}
+
+template <typename Out>
+void int4_q8_product(const int8_t* xq, const float* xs, const uint8_t* wp, const bf16* sp, const bf16* zp, int64_t g,
+                     Out* yp, int64_t M, int64_t N, int64_t K) {
+  const int64_t G = K / g, T = N / 16;
+  std::vector<int32_t> xsum(M * G);  // sum_k x over each group, for the zero points
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < G; ++j) {
+      int32_t total = 0;
+      for (int64_t k = j * g; k < (j + 1) * g; ++k) total += xq[m * K + k];
+      xsum[m * G + j] = total;
+    }
+  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
+      const int64_t nb = std::min(kPackTiles, T - t);
+      for (int64_t m0 = 0; m0 < M; m0 += kQ4Rows) {  // the block's tiles stay in L2 for the later rows of x
+        const int64_t mb = std::min(kQ4Rows, M - m0);
+#ifdef LEANLM_AVX512
+        kInt4Q8<Out>[mb - 1][nb - 1](xq + m0 * K, xsum.data() + m0 * G, xs + m0, K, wp + t * 8 * K, sp + t * 16,
+                                     zp + t * 16, g, yp + m0 * N + t * 16, N);
+#else
+        for (int64_t m = m0; m < m0 + mb; ++m)
+          for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < G; ++j) {
+              int32_t dot = 0;
+              for (int64_t k = j * g; k < (j + 1) * g; ++k) dot += q8_nibble(wp, K, n, k) * xq[m * K + k];
+              const float s = float(sp[j * N + n]), zb = float(zp[j * N + n]) - 8.f * s;
+              acc += float(dot) * s + zb * float(xsum[m * G + j]);
+            }
+            yp[m * N + n] = Out(acc * xs[m]);
+          }
+#endif
+      }
+    }
+  });
+}
+
+// y [M, N] (float32 or bf16: dtype) = x w^T, x = xq [M, K] int8 times xs [M], w int4 codes packed [N / 16, K / 8, 16,
+// 4] (pack_int4_q8) with W4A16's scales and zeros [K / g, N]
+at::Tensor int4_q8_gemm(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& scales,
+                        const at::Tensor& zeros, int64_t g, at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 4 && w.scalar_type() == at::kByte &&
+                  w.is_contiguous() && w.device().is_cpu(),
+              "int4_q8_gemm wants contiguous uint8 CPU codes packed [N / 16, K / 8, 16, 4], got ", w.sizes());
+  const int64_t N = w.size(0) * 16, K = w.size(1) * 8, M = xq.size(0);
+  TORCH_CHECK(g > 0 && g % 8 == 0 && K % g == 0, "int4_q8_gemm needs K (", K, ") a multiple of the group ", g,
+              " (a multiple of 8)");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
+                  scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
+                  zeros.is_contiguous(),
+              "int4_q8_gemm wants contiguous bf16 scales and zeros [K / g, N]");
+  TORCH_CHECK(xq.dim() == 2 && xq.size(1) == K && xq.scalar_type() == at::kChar && xq.is_contiguous() &&
+                  xq.device().is_cpu(),
+              "int4_q8_gemm takes contiguous int8 codes xq [M, K] with K = ", K, ", got ", xq.sizes());
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.numel() == M && xs.is_contiguous(),
+              "int4_q8_gemm wants float32 scales of x [M]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int4_q8_gemm writes float32 or bfloat16");
+  at::Tensor y = at::empty({M, N}, xq.options().dtype(dtype));
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
+  if (dtype == at::kFloat)
+    int4_q8_product(xp, xs.data_ptr<float>(), wp, sp, zp, g, y.data_ptr<float>(), M, N, K);
+  else
+    int4_q8_product(xp, xs.data_ptr<float>(), wp, sp, zp, g, y.data_ptr<bf16>(), M, N, K);
+  return y;
+}
+
 // Paged decode attention: one query token per sequence against its keys and values in the block pool, read in
 // place through its block table (a gathered copy would move as many bytes as attention reads).
 // q [B, H, D]; k, v [slots, Hkv, D] (slot = block * bs + offset); tables [B, max_blocks] int32; lens [B] int32.
@@ -1709,6 +1845,8 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("int8_gemv_q8(Tensor xq, Tensor xs, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_packed_gemm(Tensor xq, Tensor xs, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("w8a16_packed_gemm(Tensor x, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
+  m.def("int4_q8_gemm(Tensor xq, Tensor xs, Tensor w, Tensor scales, Tensor zeros, int group_size, "
+        "ScalarType dtype) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("rescale(Tensor acc, Tensor? xs, Tensor scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
@@ -1734,6 +1872,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int8_gemv_q8", int8_gemv_q8);
   m.impl("int8_packed_gemm", int8_packed_gemm);
   m.impl("w8a16_packed_gemm", w8a16_packed_gemm);
+  m.impl("int4_q8_gemm", int4_q8_gemm);
   m.impl("quantize_rows", quantize_rows);
   m.impl("rescale", rescale);
   m.impl("int4_gemv", int4_gemv);

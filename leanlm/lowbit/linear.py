@@ -258,6 +258,69 @@ class W4A16Linear(_QuantLinearBase):
         return super().extra_repr() + f", group_size={self.group_size}"
 
 
+def per_token_int8(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2d's dynamic per-token int8 codes (absmax / 127, round to nearest even), as ops.quantize_rows gives them.
+    [M, K] -> [M, K] int8, [M, 1] float32"""
+    spec = QuantSpec(8, symmetric=True, granularity="token")
+    scale, zero = compute_qparams(x2d, spec)
+    return quantize(x2d, scale, zero, spec), scale.float()
+
+
+class W4A8Linear(W4A16Linear):
+    """W4A16's int4 groups with int8 activations (per-token dynamic scales, as W8A8's), for the compute-bound rows
+    (prefill, many sequences): on an AVX-512 VNNI CPU `pack_linears` makes it a PackedW4A8Linear, whose products run
+    `vpdpbusd` (four int4-by-int8 products a lane per instruction, twice the 16-bit rate) on W4A16's bytes. This
+    layer itself runs x's codes, dequantized, through W4A16's paths (the same values, summed in another order).
+    QuaRot's W4A8 (arXiv 2404.00456) puts a rotation before it: `- {method: rotate}`."""
+
+    SCHEME = "w4a8"
+
+    @classmethod
+    def from_w4a16(cls, layer: W4A16Linear) -> "W4A8Linear":
+        """The same weight (the same tensors) with int8 activations."""
+        m = cls(layer.in_features, layer.out_features, layer.group_size, layer.bias)
+        m.weight_packed, m.scales, m.zeros = layer.weight_packed, layer.scales, layer.zeros
+        return m.to(layer.weight_packed.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_q, xs = per_token_int8(x.reshape(-1, self.in_features))
+        return super().forward((x_q.float() * xs).to(x.dtype).reshape(x.shape))
+
+
+class PackedW4A8Linear(W4A8Linear):
+    """A W4A8Linear for inference on an AVX-512 VNNI CPU, its codes kept only in int4_q8_gemm's layout
+    (kernels.pack_int4_q8: two vpdpbusd operands from one load, a mask and a shift), for every row count; x's
+    per-token codes from quantize_rows. No backward; `weight_packed` unpacks a copy in W4A16's layout."""
+
+    def __init__(self, layer: W4A8Linear, in_place: bool = False):
+        """in_place: write the packed layout over the layer's own codes (see models.layers.PackedLinear)."""
+        _QuantLinearBase.__init__(self, layer.in_features, layer.out_features, layer.bias)
+        self.group_size = layer.group_size
+        w = layer.weight_packed
+        packed = kernels.pack_int4_q8(unpack_int4(w))  # [N/16, K/8, 16, 4], as many bytes as w
+        if in_place and w.is_contiguous():
+            packed = w.view(-1).copy_(packed.view(-1)).view(packed.shape)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", layer.scales)
+        self.register_buffer("zeros", layer.zeros)
+        self._tinygemm_weights = None
+
+    @property
+    def weight_packed(self) -> torch.Tensor:
+        """The codes in W4A16's layout [N, K/2] (a copy)."""
+        return pack_int4(kernels.unpack_int4_q8(self.packed))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if not (x2d.is_cpu and self.packed.is_cpu) or (ops := kernels.ops()) is None:  # moved since (model.to)
+            return super().forward(x)
+        x_q, xs = ops.quantize_rows(x2d)
+        # in x's dtype by the kernel, or float32 where a bias is added first (one rounding, as W8A8)
+        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) and self.bias is None else torch.float32
+        return self._finish(ops.int4_q8_gemm(x_q, xs, self.packed, self.scales, self.zeros, self.group_size, dtype),
+                            x)
+
+
 class W8A8Linear(_QuantLinearBase):
     """int8 per-channel weights x int8 activations (per-token dynamic scales, or one calibrated static scale),
     int32 accumulation, then rescaled: leanlm's int8 kernel up to the rows it was measured faster at (decode; on an
@@ -531,8 +594,8 @@ class W8A16Sparse24Linear(_QuantLinearBase):
         return self._finish(y, x)
 
 
-SCHEMES = {cls.SCHEME: cls for cls in (W8A16Linear, W4A16Linear, W8A8Linear, FP8Linear, Int8OutlierLinear,
-                                         W8A16Sparse24Linear)}
+SCHEMES = {cls.SCHEME: cls for cls in (W8A16Linear, W4A16Linear, W4A8Linear, W8A8Linear, FP8Linear,
+                                         Int8OutlierLinear, W8A16Sparse24Linear)}
 
 
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -8,7 +8,8 @@ from torch import nn
 
 from leanlm import kernels
 from leanlm.lowbit.hadamard import OnlineRotation
-from leanlm.lowbit.linear import PackedW8A8Linear, PackedW8A16Linear, W8A8Linear, W8A16Linear
+from leanlm.lowbit.linear import (PackedW4A8Linear, PackedW8A8Linear, PackedW8A16Linear, W4A8Linear, W8A8Linear,
+                                  W8A16Linear)
 from leanlm.models.config import ModelConfig
 from leanlm.runtime import matmul_dtype
 
@@ -97,8 +98,9 @@ def pack_linears(model: nn.Module) -> int:
     """Swap an inference model's layers on this CPU for their packed counterparts where the kernels' vector loops
     run and the shapes pack: bf16 Linear for PackedLinear (AVX512-BF16; out_features % 16 == in_features % 2 == 0),
     W8A8Linear for PackedW8A8Linear (AVX-512 VNNI; % 16, % 4, in_features <= 32768, where the int32 sums are
-    exact), W8A16Linear for PackedW8A16Linear (AVX-512 VNNI; % 16, % 2). A Linear tied to an nn.Embedding (an
-    lm_head) is packed with it: the embedding becomes a PackedEmbedding of the same packed weight. Each weight is packed in its own memory. Returns how many Linears were swapped."""
+    exact), W8A16Linear for PackedW8A16Linear and W4A8Linear for PackedW4A8Linear (AVX-512 VNNI). A Linear tied to an
+    nn.Embedding (an lm_head) is packed with it: the embedding becomes a PackedEmbedding of the same packed weight.
+    Each weight is packed in its own memory. Returns how many Linears were swapped."""
     ops = kernels.ops()
     if ops is None:
         return 0
@@ -110,9 +112,9 @@ def pack_linears(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             N, K = getattr(child, "out_features", 0), getattr(child, "in_features", 0)
-            if not (N % 16 == 0 and K % 2 == 0 and getattr(child, "weight", None) is not None and child.weight.is_cpu):
+            w = child.weight_packed if type(child) is W4A8Linear else getattr(child, "weight", None)
+            if not (N % 16 == 0 and K % 2 == 0 and w is not None and w.is_cpu):
                 continue
-            w = child.weight
             if bf16 and type(child) is Linear and w.dtype == torch.bfloat16 and (id(w) not in shared or id(w) in tied):
                 packed = PackedLinear(child, in_place=True)
                 setattr(parent, name, packed)
@@ -122,6 +124,8 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PackedW8A8Linear(child, in_place=True))
             elif int8 and type(child) is W8A16Linear:
                 setattr(parent, name, PackedW8A16Linear(child, in_place=True))
+            elif int8 and type(child) is W4A8Linear and K % 8 == 0 and child.group_size % 8 == 0:
+                setattr(parent, name, PackedW4A8Linear(child, in_place=True))
             else:
                 continue
             swapped += 1

@@ -77,6 +77,17 @@ def test_w8a8_activation_scheme(tmp_path, act_scale):
     assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
 
 
+def test_w4a8_is_int4_groups_with_dynamic_int8_activations(tmp_path):
+    make_hf_model("llama", tmp_path / "src")
+    model = load_model(tmp_path / "src", torch.bfloat16)
+    apply(model, RTN(4, 32, act_bits=8))
+    (tmp_path / "out").mkdir()
+    (group,) = export(model, tmp_path / "src", tmp_path / "out")["config_groups"].values()
+    weights, acts = group["weights"], group["input_activations"]
+    assert group["format"] == "pack-quantized" and (weights["num_bits"], weights["group_size"]) == (4, 32)
+    assert (acts["num_bits"], acts["strategy"], acts["dynamic"], acts["symmetric"]) == (8, "token", True, True)
+
+
 def test_config_names_every_layer_once(tmp_path):
     make_hf_model("llama", tmp_path / "src")
     model = load_model(tmp_path / "src", torch.bfloat16)

@@ -15,7 +15,8 @@ from tests.test_cli import leanlm
 
 
 @pytest.mark.parametrize("config,bits", [(RTN(8), 8), (RTN(4, 32), 4), (RTN(8, act_bits=8), 8), (FP8(), 8),
-                                         (RTN(4, 32, symmetric=True), 4), (HQQ(group_size=32), 4)])
+                                         (RTN(4, 32, symmetric=True), 4), (HQQ(group_size=32), 4),
+                                         (RTN(4, 32, act_bits=8), 4), (HQQ(group_size=32, act_bits=8), 4)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantize_save_load_gives_identical_logits(tmp_path, config, bits, arch):
     make_hf_model(arch, tmp_path / "src")
@@ -50,9 +51,8 @@ def test_quantized_output_stays_close_to_float(tmp_path):
     assert errors[8] < 0.02 and errors[8] < errors[4] < 0.3
 
 
-@pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=4, act_bits=8), dict(bits=4, group_size=48),
-                                    dict(act_bits=4), dict(layers={"x": 5}), dict(layers=["x"]),
-                                    dict(act_bits=8, layers={"x": 4}), dict(layers={1: 8}),
+@pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=4, act_bits=4), dict(bits=4, group_size=48),
+                                    dict(act_bits=4), dict(layers={"x": 5}), dict(layers=["x"]), dict(layers={1: 8}),
                                     dict(layers={"x": {"bits": 4, "group_size": 48}}),
                                     dict(layers={"x": {"bits": 8, "group_size": 32}}), dict(layers={"x": {"b": 4}})])
 def test_bad_options(kwargs):

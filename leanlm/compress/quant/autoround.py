@@ -140,6 +140,7 @@ def autoround(model, config: AutoRound, progress=None, samples=None) -> dict[str
             replace(block, name, tuned[name])
         with torch.enable_grad():
             tune_block(block, tuned, inputs, targets, rope, config.iters, lr, config.batch_size, generator)
-        return {name: W4A16Linear.from_codes(linears[name], t.group_size, *t.grid()) for name, t in tuned.items()}
+        return {name: config.activations(W4A16Linear.from_codes(linears[name], t.group_size, *t.grid()))
+                for name, t in tuned.items()}
 
     return reconstruct(model, samples, step, progress)

@@ -227,7 +227,8 @@ def awq(model, config: AWQ, progress=None, samples=None) -> dict[str, dict]:
                 w = linear.weight.detach().float().clone()
                 w[rows] = search_clip(w[rows], Hs[name], specs[name])
                 linear.weight.data = w  # float32; the packing below takes its grid from these values
-            new = W4A16Linear.from_float(linear, specs[name].group_size, symmetric=config.symmetric)
+            new = config.activations(W4A16Linear.from_float(linear, specs[name].group_size,
+                                                            symmetric=config.symmetric))
             replace_module(model, name, new)
             records[name] = new.record()
             if progress:

@@ -24,11 +24,12 @@ from safetensors.torch import save_file
 
 from leanlm.compress.quant.format import copy_model_files
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.linear import FP8Linear, W4A16Linear, W8A8Linear, W8A16Linear, quantized_layers, unpack_int4
+from leanlm.lowbit.linear import (FP8Linear, W4A8Linear, W4A16Linear, W8A8Linear, W8A16Linear, quantized_layers,
+                                  unpack_int4)
 from leanlm.models.loading import to_hf_names
 
-FORMATS = {W4A16Linear: "pack-quantized", W8A16Linear: "pack-quantized", W8A8Linear: "int-quantized",
-           FP8Linear: "float-quantized"}
+FORMATS = {W4A16Linear: "pack-quantized", W4A8Linear: "pack-quantized", W8A16Linear: "pack-quantized",
+           W8A8Linear: "int-quantized", FP8Linear: "float-quantized"}
 
 
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -69,14 +70,16 @@ def _scheme(m: torch.nn.Module) -> dict:
     weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
                "dynamic": False, "actorder": None, "observer": "minmax"}
     acts = None
+    dynamic = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
+               "dynamic": True, "actorder": None, "observer": "minmax"}  # per-token int8 activations
     if isinstance(m, W4A16Linear):
         weights |= {"num_bits": 4, "symmetric": False, "strategy": "group", "group_size": m.group_size}
+        acts = dynamic if isinstance(m, W4A8Linear) else None
     elif isinstance(m, FP8Linear):
         weights |= {"type": "float"}
     elif isinstance(m, W8A8Linear):
         static = m.act_scale is not None
-        acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor" if static else "token",
-                "group_size": None, "dynamic": not static, "actorder": None, "observer": "minmax"}
+        acts = dynamic | {"strategy": "tensor", "dynamic": False} if static else dynamic
     return {"weights": weights, "input_activations": acts, "output_activations": None, "format": FORMATS[type(m)]}
 
 

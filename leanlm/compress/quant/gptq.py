@@ -85,7 +85,8 @@ def gptq(model, config: GPTQ, progress=None, samples=None) -> dict[str, dict]:
             w_q, scale, zero = gptq_quantize(linear.weight.float(), hessian.value, spec, damp=config.damp,
                                              act_order=config.act_order, search_grid=config.search_grid)
             linear.weight.data = w_q  # on the grid in float32; the packing below reads its codes back
-            new = W4A16Linear.from_float(linear, g, qparams=(scale, zero), symmetric=config.symmetric)
+            new = config.activations(W4A16Linear.from_float(linear, g, qparams=(scale, zero),
+                                                            symmetric=config.symmetric))
             replace_module(model, name, new)
             records[name] = new.record()
             if progress:

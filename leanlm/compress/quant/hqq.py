@@ -99,7 +99,7 @@ def hqq(model, config: HQQ, progress=None, samples=None) -> dict[str, dict]:
         W4A16Linear.check_shape(linear.in_features, linear.out_features, g)
         codes, scale, mid = hqq_quantize(linear.weight, g, config.iters, config.lp_norm, config.beta, config.kappa,
                                          config.symmetric)
-        new = W4A16Linear.from_codes(linear, g, codes, scale, mid)
+        new = config.activations(W4A16Linear.from_codes(linear, g, codes, scale, mid))
         replace(model, name, new)
         records[name] = new.record()
         if progress:

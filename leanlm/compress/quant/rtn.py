@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from leanlm.compress.registry import decoder_linears, register
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.linear import SCHEMES, W4A16Linear
+from leanlm.lowbit.linear import SCHEMES, W4A8Linear, W4A16Linear
 from leanlm.lowbit.record import replace
 from leanlm.models.layers import Linear
 
@@ -27,7 +27,7 @@ KEEP_FLOAT = 16  # a per-layer `bits` that leaves the projection in float (for a
 @dataclass(frozen=True)
 class RTN:
     """bits 8: per-channel int8 weights (W8A16, or W8A8 with act_bits=8); bits 4: int4 groups along K, asymmetric
-    (zero points) unless `symmetric` (absmax; 8-bit weights are always symmetric).
+    (zero points) unless `symmetric` (absmax; 8-bit weights are always symmetric), W4A16 or with act_bits=8 W4A8.
 
     layers (mixed precision, recipes only): {projection name or glob such as "layers.*.mlp.down_proj": bits}
     overrides bits (and group size) per projection; a value is 4, 8, 16 (left in float) or {bits: 4, group_size:
@@ -54,8 +54,6 @@ class RTN:
             self._check_pair(*self._parse(pattern, value), where=f"rtn layers[{pattern!r}]: ")
 
     def _check_pair(self, bits: int, group_size: int, where: str = "") -> None:
-        if bits == 4 and self.act_bits == 8:
-            raise LeanLMError(f"{where}W4A8 has no kernel here; use --bits 4 (W4A16) or --bits 8 --act-bits 8 (W8A8)")
         if bits == 4:
             try:
                 check_int4_group(group_size)
@@ -87,7 +85,7 @@ class RTN:
         return chosen
 
     def scheme_for(self, bits: int) -> str:
-        return "w4a16" if bits == 4 else "w8a8" if self.act_bits == 8 else "w8a16"
+        return {(4, 16): "w4a16", (4, 8): "w4a8", (8, 16): "w8a16", (8, 8): "w8a8"}[bits, self.act_bits]
 
     @property
     def scheme(self) -> str:
@@ -98,18 +96,26 @@ class RTN:
 class Int4Options:
     """Options shared by the int4 methods (GPTQ, AWQ, HQQ, AutoRound): each packs onto the W4A16 kernel, groups
     along K (g, or the largest of 64/32 dividing a layer's K), asymmetric (zero points) unless `symmetric` (the
-    absmax grid -8..7 that llm-compressor's default int4 scheme uses)."""
+    absmax grid -8..7 that llm-compressor's default int4 scheme uses); act_bits 8: the same weights as W4A8
+    (per-token int8 activations)."""
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "quantize"
     bits: int = 4
     group_size: int = 128
     symmetric: bool = False
+    act_bits: int = 16
 
     def __post_init__(self):
         if self.bits != 4:
             raise LeanLMError(f"{self.name} runs on the int4 kernel here: --bits 4, got {self.bits}")
+        if self.act_bits not in (8, 16):
+            raise LeanLMError(f"--act-bits must be 8 (W4A8) or 16 (W4A16), got {self.act_bits}")
         check_int4_group(self.group_size)
+
+    def activations(self, layer: W4A16Linear) -> W4A16Linear:
+        """The method's int4 layer as its scheme runs it: as it is (W4A16), or W4A8 with act_bits 8."""
+        return W4A8Linear.from_w4a16(layer) if self.act_bits == 8 else layer
 
 
 def group_for(in_features: int, group_size: int) -> int:
@@ -123,8 +129,8 @@ def group_for(in_features: int, group_size: int) -> int:
 def quantize_layer(linear, scheme: str, group_size: int = 128, symmetric: bool = False, **options):
     """(quantized module, record) for one nn.Linear; `options` go to the scheme's from_float (threshold=...);
     symmetric: absmax int4 groups (8-bit schemes are symmetric anyway)."""
-    if scheme == "w4a16":
-        new = W4A16Linear.from_float(linear, group_for(linear.in_features, group_size), symmetric=symmetric)
+    if scheme in ("w4a16", "w4a8"):
+        new = SCHEMES[scheme].from_float(linear, group_for(linear.in_features, group_size), symmetric=symmetric)
     else:
         new = SCHEMES[scheme].from_float(linear, **options)
     return new, new.record()

@@ -132,6 +132,15 @@ def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(T * 16, K2 * 2)
 
 
+def write_over(w: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """packed, written over w's own memory where it fits (as many elements of the same size, contiguous), so that
+    a model whose weights share one buffer on huge pages (runtime.empty_on_huge_pages) keeps them there and holds no
+    second copy; else packed as it is."""
+    if w.is_contiguous() and w.numel() == packed.numel() and w.element_size() == packed.element_size():
+        return w.view(packed.dtype).view(-1).copy_(packed.view(-1)).view(packed.shape)
+    return packed
+
+
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """bf16_packed_gemm's layout (pack_pairs) in bf16.  w [N, K] -> [N/16, K/2, 16, 2] bf16"""
     return pack_pairs(w.to(torch.bfloat16))

@@ -298,9 +298,7 @@ class PackedW4A8Linear(W4A8Linear):
         self.group_size = layer.group_size
         w = layer.weight_packed
         packed = kernels.pack_int4_q8(unpack_int4(w))  # [N/16, K/8, 16, 4], as many bytes as w
-        if in_place and w.is_contiguous():
-            packed = w.view(-1).copy_(packed.view(-1)).view(packed.shape)
-        self.register_buffer("packed", packed)
+        self.register_buffer("packed", kernels.write_over(w, packed) if in_place else packed)
         self.register_buffer("scales", layer.scales)
         self.register_buffer("zeros", layer.zeros)
         self._tinygemm_weights = None
@@ -401,9 +399,7 @@ class PackedW8A8Linear(W8A8Linear):
         _QuantLinearBase.__init__(self, layer.in_features, layer.out_features, layer.bias)
         w = layer.weight
         packed = kernels.pack_int8(w)  # [N/16, K/4, 16, 4] uint8
-        if in_place and w.is_contiguous():
-            packed = w.view(torch.uint8).view(-1).copy_(packed.view(-1)).view(packed.shape)
-        self.register_buffer("packed", packed)
+        self.register_buffer("packed", kernels.write_over(w, packed) if in_place else packed)
         self.register_buffer("scales", layer.scales)
         self.register_buffer("act_scale", layer.act_scale)
 
@@ -434,9 +430,7 @@ class PackedW8A16Linear(W8A16Linear):
         _QuantLinearBase.__init__(self, layer.in_features, layer.out_features, layer.bias)
         w = layer.weight
         packed = kernels.pack_pairs(w)  # [N/16, K/2, 16, 2] int8
-        if in_place and w.is_contiguous():
-            packed = w.view(-1).copy_(packed.view(-1)).view(packed.shape)
-        self.register_buffer("packed", packed)
+        self.register_buffer("packed", kernels.write_over(w, packed) if in_place else packed)
         self.register_buffer("scales", layer.scales)
 
     @property

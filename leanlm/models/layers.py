@@ -55,9 +55,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
         packed = kernels.pack_bf16(w)  # [N/16, K/2, 16, 2]
-        if in_place and w.dtype == torch.bfloat16 and w.is_contiguous():
-            packed = w.view(-1).copy_(packed.view(-1)).view(packed.shape)
-        self.register_buffer("packed", packed)
+        self.register_buffer("packed", kernels.write_over(w, packed) if in_place else packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     @property

@@ -700,6 +700,17 @@ void packed_rows(const bf16* x, int64_t K, const bf16* w, bf16* y, int64_t N, in
 #endif
 }
 
+// The packed products' split of the work: blocks of kPackTiles tiles of 16 columns across the threads, each block
+// against every `rows` rows of x in turn, so its weights come from memory once and stay in L2 for the later rows:
+// block(t, nb, m0, mb) computes tiles t..t + nb - 1 for rows m0..m0 + mb - 1.
+template <typename Block>
+void packed_split(int64_t T, int64_t M, int64_t rows, const Block& block) {
+  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles)
+      for (int64_t m0 = 0; m0 < M; m0 += rows) block(t, std::min(kPackTiles, T - t), m0, std::min(rows, M - m0));
+  });
+}
+
 // y [M, N] bf16 = x [M, K] w^T, w packed [N / 16, K / 2, 16, 2] bf16; sums in float32, rounded to bf16 once
 at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.scalar_type() == at::kBFloat16 &&
@@ -712,13 +723,8 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty({M, N}, x.options());
   const bf16 *xp = xc.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
-  const int64_t T = N / 16;
-  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
-      const int64_t nb = std::min(kPackTiles, T - t);
-      for (int64_t m0 = 0; m0 < M; m0 += kPackRows)  // the block's weights stay in L2 for the later rows of x
-        packed_rows(xp + m0 * K, K, wp + t * 16 * K, yp + m0 * N + t * 16, N, std::min(kPackRows, M - m0), nb);
-    }
+  packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
+    packed_rows(xp + m0 * K, K, wp + t * 16 * K, yp + m0 * N + t * 16, N, mb, nb);
   });
   return y;
 }
@@ -735,18 +741,17 @@ at::Tensor widened_gemm(const at::Tensor& x, int64_t N, int64_t K, const Widen& 
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "the product takes bf16 x [M, ", K, "] on the CPU, got ", x.sizes(), " ", x.scalar_type());
   const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), T = N / 16;
+  const int64_t M = xc.size(0);
   at::Tensor y = at::empty({M, N}, xc.options());
   const bf16* xp = xc.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
-  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<bf16> block(kPackTiles * 16 * K);  // this thread's widened tiles
-    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
-      const int64_t nb = std::min(kPackTiles, T - t);
+  packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
+    thread_local std::vector<bf16> block;  // this thread's widened tiles, made when a block starts
+    if (m0 == 0) {
+      block.resize(kPackTiles * 16 * K);
       for (int64_t j = 0; j < nb; ++j) widen(t + j, block.data() + j * 16 * K);
-      for (int64_t m0 = 0; m0 < M; m0 += kPackRows)
-        packed_rows(xp + m0 * K, K, block.data(), yp + m0 * N + t * 16, N, std::min(kPackRows, M - m0), nb);
     }
+    packed_rows(xp + m0 * K, K, block.data(), yp + m0 * N + t * 16, N, mb, nb);
   });
   return y;
 }
@@ -859,27 +864,20 @@ constexpr Q8PackedBlock<Out> kQ8Packed[kPackRows][kPackTiles] = {  // [rows - 1]
 template <typename Out>
 void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, const float* scale, Out* yp, int64_t M,
                        int64_t N, int64_t K) {
-  const int64_t T = N / 16;
-  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
-    const std::vector<int32_t> xsum = row_sums(xp, M, K);  // each thread its own: a shared copy would cross cores
-    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
-      const int64_t nb = std::min(kPackTiles, T - t);
-      for (int64_t m0 = 0; m0 < M; m0 += kPackRows) {  // the block's weights stay in L2 for the later rows of x
-        const int64_t mb = std::min(kPackRows, M - m0);
+  const std::vector<int32_t> xsum = row_sums(xp, M, K);
+  packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
-        kQ8Packed<Out>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K, scale + t * 16,
-                                       yp + m0 * N + t * 16, N);
+    kQ8Packed<Out>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K, scale + t * 16,
+                                   yp + m0 * N + t * 16, N);
 #else
-        for (int64_t m = m0; m < m0 + mb; ++m)
-          for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
-            int32_t acc = 0;
-            for (int64_t k = 0; k < K; ++k) acc += int32_t(wp[(n / 16) * 16 * K + k / 4 * 64 + n % 16 * 4 + k % 4]) *
-                                                   xp[m * K + k];
-            yp[m * N + n] = Out(float(acc - 128 * xsum[m]) * xs[m] * scale[n]);
-          }
-#endif
+    for (int64_t m = m0; m < m0 + mb; ++m)
+      for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
+        int32_t acc = 0;
+        for (int64_t k = 0; k < K; ++k)
+          acc += int32_t(wp[(n / 16) * 16 * K + k / 4 * 64 + n % 16 * 4 + k % 4]) * xp[m * K + k];
+        yp[m * N + n] = Out(float(acc - 128 * xsum[m]) * xs[m] * scale[n]);
       }
-    }
+#endif
   });
 }
 
@@ -962,7 +960,7 @@ constexpr W8PackedBlock<Out> kW8Packed[kPackRows][kPackTiles] = {  // [rows - 1]
 
 template <typename Out>
 void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale, Out* yp, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1), T = N / 16;
+  const int64_t M = x.size(0), K = x.size(1);
 #ifdef LEANLM_AVX512
   std::vector<int16_t> xq(M * K);  // x's rows rounded to int16, each on the thread that drew it (prefill: many)
   std::vector<float> xs(M);
@@ -980,25 +978,18 @@ void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale,
   const at::Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
 #endif
-  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
-      const int64_t nb = std::min(kPackTiles, T - t);
-      for (int64_t m0 = 0; m0 < M; m0 += kPackRows) {  // the block's weights stay in L2 for the later rows of x
-        const int64_t mb = std::min(kPackRows, M - m0);
+  packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
-        kW8Packed<Out>[mb - 1][nb - 1](xq.data() + m0 * K, xs.data() + m0, K, wp + t * 16 * K, scale + t * 16,
-                                       yp + m0 * N + t * 16, N);
+    kW8Packed<Out>[mb - 1][nb - 1](xq.data() + m0 * K, xs.data() + m0, K, wp + t * 16 * K, scale + t * 16,
+                                   yp + m0 * N + t * 16, N);
 #else
-        for (int64_t m = m0; m < m0 + mb; ++m)
-          for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
-            float acc = 0.f;
-            for (int64_t k = 0; k < K; ++k)
-              acc += xp[m * K + k] * wp[(n / 16) * 16 * K + k / 2 * 32 + n % 16 * 2 + k % 2];
-            yp[m * N + n] = Out(acc * float(scale[n]));
-          }
-#endif
+    for (int64_t m = m0; m < m0 + mb; ++m)
+      for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) acc += xp[m * K + k] * wp[(n / 16) * 16 * K + k / 2 * 32 + n % 16 * 2 + k % 2];
+        yp[m * N + n] = Out(acc * float(scale[n]));
       }
-    }
+#endif
   });
 }
 
@@ -1094,7 +1085,7 @@ inline int q8_nibble(const uint8_t* w, int64_t K, int64_t n, int64_t k) {
 template <typename Out>
 void int4_q8_product(const int8_t* xq, const float* xs, const uint8_t* wp, const bf16* sp, const bf16* zp, int64_t g,
                      Out* yp, int64_t M, int64_t N, int64_t K) {
-  const int64_t G = K / g, T = N / 16;
+  const int64_t G = K / g;
   std::vector<int32_t> xsum(M * G);  // sum_k x over each group, for the zero points
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < G; ++j) {
@@ -1102,29 +1093,23 @@ void int4_q8_product(const int8_t* xq, const float* xs, const uint8_t* wp, const
       for (int64_t k = j * g; k < (j + 1) * g; ++k) total += xq[m * K + k];
       xsum[m * G + j] = total;
     }
-  at::parallel_for(0, (T + kPackTiles - 1) / kPackTiles, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t t = b0 * kPackTiles; t < std::min(T, b1 * kPackTiles); t += kPackTiles) {
-      const int64_t nb = std::min(kPackTiles, T - t);
-      for (int64_t m0 = 0; m0 < M; m0 += kQ4Rows) {  // the block's tiles stay in L2 for the later rows of x
-        const int64_t mb = std::min(kQ4Rows, M - m0);
+  packed_split(N / 16, M, kQ4Rows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
-        kInt4Q8<Out>[mb - 1][nb - 1](xq + m0 * K, xsum.data() + m0 * G, xs + m0, K, wp + t * 8 * K, sp + t * 16,
-                                     zp + t * 16, g, yp + m0 * N + t * 16, N);
+    kInt4Q8<Out>[mb - 1][nb - 1](xq + m0 * K, xsum.data() + m0 * G, xs + m0, K, wp + t * 8 * K, sp + t * 16,
+                                 zp + t * 16, g, yp + m0 * N + t * 16, N);
 #else
-        for (int64_t m = m0; m < m0 + mb; ++m)
-          for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
-            float acc = 0.f;
-            for (int64_t j = 0; j < G; ++j) {
-              int32_t dot = 0;
-              for (int64_t k = j * g; k < (j + 1) * g; ++k) dot += q8_nibble(wp, K, n, k) * xq[m * K + k];
-              const float s = float(sp[j * N + n]), zb = float(zp[j * N + n]) - 8.f * s;
-              acc += float(dot) * s + zb * float(xsum[m * G + j]);
-            }
-            yp[m * N + n] = Out(acc * xs[m]);
-          }
-#endif
+    for (int64_t m = m0; m < m0 + mb; ++m)
+      for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < G; ++j) {
+          int32_t dot = 0;
+          for (int64_t k = j * g; k < (j + 1) * g; ++k) dot += q8_nibble(wp, K, n, k) * xq[m * K + k];
+          const float s = float(sp[j * N + n]), zb = float(zp[j * N + n]) - 8.f * s;
+          acc += float(dot) * s + zb * float(xsum[m * G + j]);
+        }
+        yp[m * N + n] = Out(acc * xs[m]);
       }
-    }
+#endif
   });
 }
 

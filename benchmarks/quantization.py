@@ -41,6 +41,8 @@ VARIANTS = {
     "gptq-w4a16-g128": ["--method", "gptq", "--group-size", "128", "--lm-head", "16"],
     "awq-w4a16-g128": ["--method", "awq", "--group-size", "128", "--lm-head", "16"],
     "rtn-w8a8": ["--method", "rtn", "--bits", "8", "--act-bits", "8"],
+    "rtn-w4a8-g128": ["--method", "rtn", "--bits", "4", "--act-bits", "8", "--group-size", "128", "--lm-head", "16"],
+    "gptq-w4a8-g128": ["--method", "gptq", "--act-bits", "8", "--group-size", "128", "--lm-head", "16"],
     "smoothquant-w8a8": ["--method", "smoothquant"],
     "llm-int8": ["--method", "llm_int8"],
     # recipes (written next to the variant): QuaRot's offline rotation before the quantization
@@ -49,9 +51,13 @@ VARIANTS = {
     "rotate+smoothquant-w8a8": ["--recipe", "- method: rotate\n- method: smoothquant\n"],
     "rotate+gptq-w4a16-g128": ["--recipe", "- method: rotate\n- {method: gptq, group_size: 128}\n",
                                "--lm-head", "16"],
+    "rotate+gptq-w4a8-g128": ["--recipe", "- method: rotate\n- {method: gptq, group_size: 128, act_bits: 8}\n",
+                              "--lm-head", "16"],
     # and with QuaRot's online Hadamard on down_proj's input (leanlm-only models)
     "rotate-online+rtn-w8a8": ["--recipe", "- {method: rotate, online: true}\n- {method: rtn, bits: 8, act_bits: 8}\n"],
     "rotate-online+smoothquant-w8a8": ["--recipe", "- {method: rotate, online: true}\n- method: smoothquant\n"],
+    "rotate-online+gptq-w4a8-g128": ["--recipe", "- {method: rotate, online: true}\n- {method: gptq, group_size: 128, "
+                                     "act_bits: 8}\n", "--lm-head", "16"],
 }  # fp8 is left out: on CPU its weights are upcast on the fly, 25-45x slower than bf16 (see FP8Linear)
 CALIBRATED = ("gptq", "awq", "smoothquant")
 SPEED = ("bf16", "fp16", "rtn-w8a16", "rtn-w8a16+head8", "rtn-w4a16-g128", "rtn-w4a16-g128+head8",

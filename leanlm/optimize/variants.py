@@ -88,6 +88,8 @@ DEFAULT = (
     Variant("fp16", dtype="float16"),
     Variant("w4 awq g128+head8", _w4("awq")),
     Variant("w4 gptq g32+head8", ({"method": "gptq", "bits": 4, "group_size": 32}, HEAD8_G)),
+    Variant("w4a8 gptq g128+head8", ({"method": "gptq", "bits": 4, "group_size": 128, "act_bits": 8}, HEAD8_G),
+            notes="GPTQ int4 weights with per-token int8 activations: int8 products for many sequences"),
     Variant("bf16 kv8", kv_cache="int8"),
     Variant("bf16 lookup", prompt_lookup=3),
     Variant("wanda 2:4 + w8", ({"method": "wanda", "pattern": "2:4"}, W8, HEAD8_G)),

@@ -270,8 +270,9 @@ class W4A8Linear(W4A16Linear):
     """W4A16's int4 groups with int8 activations (per-token dynamic scales, as W8A8's), for the compute-bound rows
     (prefill, many sequences): on an AVX-512 VNNI CPU `pack_linears` makes it a PackedW4A8Linear, whose products run
     `vpdpbusd` (four int4-by-int8 products a lane per instruction, twice the 16-bit rate) on W4A16's bytes. This
-    layer itself runs x's codes, dequantized, through W4A16's paths (the same values, summed in another order).
-    QuaRot's W4A8 (arXiv 2404.00456) puts a rotation before it: `- {method: rotate}`."""
+    layer itself runs x's codes, dequantized, through W4A16's paths (whose int16 rounding moves them by at most 2^-16
+    of a row's largest, and which sum in another order). QuaRot's W4A8 (arXiv 2404.00456) puts a rotation before
+    it: `- {method: rotate}`."""
 
     SCHEME = "w4a8"
 

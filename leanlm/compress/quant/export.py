@@ -7,6 +7,7 @@ What each of our schemes becomes (N output, K input features; codes unchanged, s
   bits 4i), weight_scale [N, K/g], weight_zero_point int32 [N/8, K/g] (packed along N), weight_shape. Our kernel
   keeps the zero point as the bf16 weight (8 - z) s, so the dequantized weights agree up to that rounding
   (at most s/64).
+- w4a8 -> as w4a16, and int8 activations per token (dynamic).
 - w8a16 -> pack-quantized, 8-bit symmetric channels: weight_packed int32 [N, K/4], weight_scale [N, 1].
 - w8a8 -> int-quantized: weight int8 [N, K], weight_scale [N, 1], int8 activations per token (dynamic) or one
   static input_scale.

@@ -57,8 +57,8 @@ def test_symmetric_hqq_from_the_cli(tiny_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     _same_directories(tmp_path / "lib", tmp_path / "cli")
     recipe = json.loads((tmp_path / "cli" / RECORD).read_text())["recipe"]
-    assert recipe[0] == {"method": "hqq", "bits": 4, "group_size": 32, "symmetric": True, "iters": 20, "lp_norm": 0.7,
-                         "beta": 10.0, "kappa": 1.01}
+    assert recipe[0] == {"method": "hqq", "bits": 4, "group_size": 32, "symmetric": True, "act_bits": 16, "iters": 20,
+                         "lp_norm": 0.7, "beta": 10.0, "kappa": 1.01}
 
 
 def test_prune_writes_what_the_cli_writes(tiny_dir, text, tmp_path):

@@ -284,14 +284,17 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 constexpr int64_t kQ8MaxK = 32768;  // the W8A8 kernels' int32 sums are exact up to this K (below)
 
-// sum_k x[m, k] of each of M rows of int8 codes: the W8A8 kernels' 128 x sum term (below)
-std::vector<int32_t> row_sums(const int8_t* x, int64_t M, int64_t K) {
-  std::vector<int32_t> sums(M);
-  for (int64_t m = 0; m < M; ++m) {
-    int32_t s = 0;
-    for (int64_t k = 0; k < K; ++k) s += x[m * K + k];
-    sums[m] = s;
-  }
+// sum_k x[m, k] over each group of g columns of M rows of int8 codes -> [M, K / g]: with g = K the W8A8 kernels'
+// 128 x sum term, with W4A16's groups W4A8's zero-point term (below)
+std::vector<int32_t> group_sums(const int8_t* x, int64_t M, int64_t K, int64_t g) {
+  const int64_t G = K / g;
+  std::vector<int32_t> sums(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < G; ++j) {
+      int32_t s = 0;
+      for (int64_t k = j * g; k < (j + 1) * g; ++k) s += x[m * K + k];
+      sums[m * G + j] = s;
+    }
   return sums;
 }
 
@@ -362,7 +365,7 @@ void q8_product(const at::Tensor& xq, const float* xs, const at::Tensor& w, cons
   const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
   const int8_t *xp = xq.data_ptr<int8_t>(), *wp = w.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  const std::vector<int32_t> xsum = row_sums(xp, M, K);
+  const std::vector<int32_t> xsum = group_sums(xp, M, K, K);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1;) {
       const int R = n + kQ8R <= n1 ? kQ8R : 1;
@@ -864,7 +867,7 @@ constexpr Q8PackedBlock<Out> kQ8Packed[kPackRows][kPackTiles] = {  // [rows - 1]
 template <typename Out>
 void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, const float* scale, Out* yp, int64_t M,
                        int64_t N, int64_t K) {
-  const std::vector<int32_t> xsum = row_sums(xp, M, K);
+  const std::vector<int32_t> xsum = group_sums(xp, M, K, K);
   packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
     kQ8Packed<Out>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K, scale + t * 16,
@@ -1086,13 +1089,7 @@ template <typename Out>
 void int4_q8_product(const int8_t* xq, const float* xs, const uint8_t* wp, const bf16* sp, const bf16* zp, int64_t g,
                      Out* yp, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / g;
-  std::vector<int32_t> xsum(M * G);  // sum_k x over each group, for the zero points
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < G; ++j) {
-      int32_t total = 0;
-      for (int64_t k = j * g; k < (j + 1) * g; ++k) total += xq[m * K + k];
-      xsum[m * G + j] = total;
-    }
+  const std::vector<int32_t> xsum = group_sums(xq, M, K, g);  // for the zero points
   packed_split(N / 16, M, kQ4Rows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
     kInt4Q8<Out>[mb - 1][nb - 1](xq + m0 * K, xsum.data() + m0 * G, xs + m0, K, wp + t * 8 * K, sp + t * 16,

@@ -1,7 +1,8 @@
 """Decode kernels on the zoo's shapes, three tables: matrix-vector products (leanlm's int8 kernel against torch's int8
 and int4 kernels and the compiled bf16 reduction the 16-bit decode step uses), paged decode attention (leanlm's
 kernel over a bf16, an int8 and an int4 pool against gathering the keys and values for torch's SDPA, each as GB/s
-of KV read next to a streaming read of memory), and the cost of QuaRot's online Hadamard on down_proj's input
+of KV read next to a streaming read of memory), prefill attention (leanlm's kernel against a gather and torch's
+SDPA), and the cost of QuaRot's online Hadamard on down_proj's input
 (`rotate` with online: true) next to down_proj itself; W8A16 at 8-256 rows (a decode step of many sequences, prefill):
 the int8 kernel, AMX tiles, widened codes, packed codes and bf16 weights; W4A16 at 1-256 rows: the int4 kernel, its
 tiles widened into the bf16 packed layout and W4A8's int8-activation product on the codes packed for it; W8A8 at
@@ -9,7 +10,7 @@ tiles widened into the bf16 packed layout and W4A8's int8-activation product on 
 rows: torch's GEMM, leanlm's bf16_gemm and its product on the packed layout (bf16_packed_gemm), as GFLOP/s and the
 bf16 peak's share.
 
-    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pahwiqb]
+    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pachwiqb]
 
 Weights and KV pools rotate through ~256 MB or more of copies (30 layers' pools) so that every call reads them from
 memory, as decode does.
@@ -201,6 +202,41 @@ def attention(ops, args) -> None:
     Console(width=150).print(table)
 
 
+# (name, query heads, kv heads, head size, new tokens, context): a whole 256-token prompt, later chunks of longer ones
+PREFILL = [("smollm2-135m", 9, 3, 64, 256, 256), ("smollm2-135m", 9, 3, 64, 256, 1024),
+           ("smollm2-135m", 9, 3, 64, 1024, 1024), ("qwen2.5-coder-0.5b", 14, 2, 64, 256, 256),
+           ("qwen2.5-coder-0.5b", 14, 2, 64, 256, 2048)]
+
+
+def prefill_attention(ops, args) -> None:
+    """A prompt chunk's causal attention over its context in the pool: leanlm's prefill kernel, which reads the
+    pool in place, against the engine's other path (gather the context, torch's SDPA with its flash kernel)."""
+    table = Table(title=f"prefill attention, {args.threads} threads, bf16, 8 layers' pools in turn: microseconds a "
+                        "layer (GFLOP/s of the causal products: 4 T H D per key a query sees)")
+    for col in ("model", "new tokens", "context", "gather + SDPA", "leanlm prefill_attention", "ratio"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    F = torch.nn.functional
+    for name, H, Hkv, D, T, C in PREFILL:
+        bs, g = 16, torch.Generator().manual_seed(0)
+        blocks = 2 * C // bs
+        slots = (torch.randperm(blocks, generator=g)[: C // bs, None] * bs + torch.arange(bs)).flatten()
+        q = torch.randn(T, H, D, generator=g).bfloat16()
+        pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(8)]
+        mask = None if T == C else torch.arange(C)[None] <= torch.arange(C - T, C)[:, None]
+
+        def gathered(q, k, v):  # as cache.paged_attention.PagedStep without the kernel
+            keys, values = k[slots].transpose(0, 1)[None], v[slots].transpose(0, 1)[None]
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                                  is_causal=mask is None, enable_gqa=True)
+
+        flops = 4 * T * H * D * (C - T + (T + 1) / 2)
+        times = [seconds(fn, [(q, k, v, *extra) for k, v in pools], reps=24)
+                 for fn, extra in ((gathered, ()), (ops.prefill_attention, (slots,)))]
+        table.add_row(name, str(T), str(C), *(f"{t * 1e6:.0f} ({flops / t / 1e9:.0f})" for t in times),
+                      f"{times[0] / times[1]:.2f}x")
+    Console(width=150).print(table)
+
+
 def int4_cfg(Hkv: int, D: int) -> ModelConfig:
     """One layer of Hkv heads of D: what Int4KVPool.bytes_per_block reads."""
     return ModelConfig("llama", 8, Hkv * D, 8, 1, Hkv, Hkv, D, 8)
@@ -290,9 +326,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
-    ap.add_argument("--sections", default="pahwiqb", help="p: matrix-vector products, a: paged attention, h: the "
-                    "online Hadamard, w: W8A16 at many rows, i: W4A16 at many rows, q: W8A8 at 1-1024 rows, b: bf16 "
-                    "at 1-256 rows (default all)")
+    ap.add_argument("--sections", default="pachwiqb", help="p: matrix-vector products, a: paged attention, c: "
+                    "prefill attention, h: the online Hadamard, w: W8A16 at many rows, i: W4A16 at many rows, q: W8A8 "
+                    "at 1-1024 rows, b: bf16 at 1-256 rows (default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -300,6 +336,8 @@ def main() -> None:
         products(ops, args)
     if "a" in args.sections:
         attention(ops, args)
+    if "c" in args.sections:
+        prefill_attention(ops, args)
     if "h" in args.sections:
         online_hadamard(args)
     if "w" in args.sections:

@@ -438,6 +438,34 @@ def test_int4_paged_attention_equals_attention_over_what_the_pool_reads(ops, dty
         assert (out[b].float() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2) * scale
 
 
+@pytest.mark.parametrize("T, C, H, Hkv, D", [(40, 40, 6, 2, 64), (37, 100, 9, 3, 64), (1, 17, 4, 4, 128),
+                                             (19, 19, 2, 1, 32)],
+                         ids=["whole-prompt", "later-chunk", "one-token", "small-head"])
+def test_prefill_attention_equals_causal_attention_over_gathered_keys(ops, T, C, H, Hkv, D):
+    """A prompt chunk's T queries (positions C - T .. C - 1) against the C keys and values at scattered pool slots,
+    by the definition: scores in float, each query seeing the keys up to its own position. T not a multiple of the
+    kernel's 16 positions, C not one of its 16-key tiles; GQA groups of 3, 1 and 2; four threads split the items."""
+    g = torch.Generator().manual_seed(T * C)
+    k, v = (torch.randn(C + 50, Hkv, D, generator=g).bfloat16() * 2 for _ in range(2))
+    slots = torch.randperm(C + 50, generator=g)[:C]
+    q = torch.randn(T, H, D, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out = ops.prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, slots)  # strided q
+    finally:
+        torch.set_num_threads(before)
+    kb, vb = (x[slots].float().repeat_interleave(H // Hkv, 1) for x in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.float(), kb) / D**0.5
+    seen = torch.arange(C)[None] <= torch.arange(C - T, C)[:, None]  # [T, C]
+    expected = torch.einsum("hts,shd->thd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vb)
+    assert out.shape == (T, H, D) and out.dtype == torch.bfloat16
+    # the weights are rounded to bf16 before the value product (as torch's flash kernel rounds them), the output once
+    assert (out.float() - expected).abs().max() < 2e-2 * expected.abs().max()
+    with pytest.raises(RuntimeError, match="slot"):
+        ops.prefill_attention(q, k, v, slots + 1000)
+
+
 def test_quantize_int4_is_the_int4_kv_caches_python_grid_bit_for_bit(ops):
     from leanlm.cache.int4 import fit, pack
 

@@ -655,15 +655,28 @@ std::string bf16_isa() { return LEANLM_BF16_DOT; }
 // (benchmarks/kernels.py --sections b).
 constexpr int64_t kPackRows = 8, kPackTiles = 3;  // rows of x and tiles of 16 columns a block
 
+#ifdef LEANLM_AVX512
+inline void store_out(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_out(bf16* p, __m512 v) {  // rounded to nearest even, as bf16(float)
+#ifdef __AVX512BF16__
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v);
+  for (int i = 0; i < 16; ++i) p[i] = bf16(f[i]);
+#endif
+}
+#endif
+
 #if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
-template <int MB, int NB>
-void packed_block(const bf16* x, int64_t K, const bf16* w, bf16* y, int64_t N) {  // w: the block's first tile
+template <int MB, int NB, typename Out>  // w: the block's first tile, its tiles ws elements apart
+void packed_block(const bf16* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K * 16 + k * 16);
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ws + k * 16);
     for (int m = 0; m < MB; ++m) {
       int32_t pair;
       std::memcpy(&pair, x + m * K + k, 4);
@@ -672,33 +685,36 @@ void packed_block(const bf16* x, int64_t K, const bf16* w, bf16* y, int64_t N) {
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j)
-      _mm256_storeu_si256((__m256i*)(y + m * N + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
+    for (int j = 0; j < NB; ++j) store_out(y + m * N + 16 * j, acc[m][j]);
 }
 
-using PackedBlock = void (*)(const bf16*, int64_t, const bf16*, bf16*, int64_t);
-constexpr PackedBlock kPacked[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 1]
-    {packed_block<1, 1>, packed_block<1, 2>, packed_block<1, 3>},
-    {packed_block<2, 1>, packed_block<2, 2>, packed_block<2, 3>},
-    {packed_block<3, 1>, packed_block<3, 2>, packed_block<3, 3>},
-    {packed_block<4, 1>, packed_block<4, 2>, packed_block<4, 3>},
-    {packed_block<5, 1>, packed_block<5, 2>, packed_block<5, 3>},
-    {packed_block<6, 1>, packed_block<6, 2>, packed_block<6, 3>},
-    {packed_block<7, 1>, packed_block<7, 2>, packed_block<7, 3>},
-    {packed_block<8, 1>, packed_block<8, 2>, packed_block<8, 3>}};
+template <typename Out>
+using PackedBlock = void (*)(const bf16*, int64_t, const bf16*, int64_t, Out*, int64_t);
+template <typename Out>
+constexpr PackedBlock<Out> kPacked[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 1]
+    {packed_block<1, 1, Out>, packed_block<1, 2, Out>, packed_block<1, 3, Out>},
+    {packed_block<2, 1, Out>, packed_block<2, 2, Out>, packed_block<2, 3, Out>},
+    {packed_block<3, 1, Out>, packed_block<3, 2, Out>, packed_block<3, 3, Out>},
+    {packed_block<4, 1, Out>, packed_block<4, 2, Out>, packed_block<4, 3, Out>},
+    {packed_block<5, 1, Out>, packed_block<5, 2, Out>, packed_block<5, 3, Out>},
+    {packed_block<6, 1, Out>, packed_block<6, 2, Out>, packed_block<6, 3, Out>},
+    {packed_block<7, 1, Out>, packed_block<7, 2, Out>, packed_block<7, 3, Out>},
+    {packed_block<8, 1, Out>, packed_block<8, 2, Out>, packed_block<8, 3, Out>}};
 #endif
 
-// mb (<= kPackRows) rows of x against nb (<= kPackTiles) tiles of a packed weight (w: the first), into y's columns
-void packed_rows(const bf16* x, int64_t K, const bf16* w, bf16* y, int64_t N, int64_t mb, int64_t nb) {
+// mb (<= kPackRows) rows of x [mb, K] against nb (<= kPackTiles) tiles of a packed weight (w: the first; tiles ws
+// elements apart, 16 K in a weight of K columns), into y's columns (float32, or rounded to bf16 once)
+template <typename Out>
+void packed_rows(const bf16* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N, int64_t mb, int64_t nb) {
 #if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
-  kPacked[mb - 1][nb - 1](x, K, w, y, N);
+  kPacked<Out>[mb - 1][nb - 1](x, K, w, ws, y, N);
 #else
   for (int64_t m = 0; m < mb; ++m)
     for (int64_t n = 0; n < nb * 16; ++n) {
       float acc = 0.f;
       for (int64_t k = 0; k < K; ++k)
-        acc += float(x[m * K + k]) * float(w[(n / 16) * 16 * K + k / 2 * 32 + n % 16 * 2 + k % 2]);
-      y[m * N + n] = bf16(acc);
+        acc += float(x[m * K + k]) * float(w[n / 16 * ws + k / 2 * 32 + n % 16 * 2 + k % 2]);
+      y[m * N + n] = Out(acc);
     }
 #endif
 }
@@ -727,7 +743,7 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
   const bf16 *xp = xc.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
-    packed_rows(xp + m0 * K, K, wp + t * 16 * K, yp + m0 * N + t * 16, N, mb, nb);
+    packed_rows(xp + m0 * K, K, wp + t * 16 * K, 16 * K, yp + m0 * N + t * 16, N, mb, nb);
   });
   return y;
 }
@@ -754,7 +770,7 @@ at::Tensor widened_gemm(const at::Tensor& x, int64_t N, int64_t K, const Widen& 
       block.resize(kPackTiles * 16 * K);
       for (int64_t j = 0; j < nb; ++j) widen(t + j, block.data() + j * 16 * K);
     }
-    packed_rows(xp + m0 * K, K, block.data(), yp + m0 * N + t * 16, N, mb, nb);
+    packed_rows(xp + m0 * K, K, block.data(), 16 * K, yp + m0 * N + t * 16, N, mb, nb);
   });
   return y;
 }
@@ -811,16 +827,6 @@ at::Tensor int4_packed_gemm(const at::Tensor& x, const at::Tensor& w, const at::
 // are exact (K <= kQ8MaxK), so y is bit for bit int8_gemv_q8's (and torch._int_mm + rescale's): float(sum) * xs[m] *
 // scale[n], stored as float32 or rounded to bf16 once.
 #ifdef LEANLM_AVX512
-inline void store_out(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store_out(bf16* p, __m512 v) {  // rounded to nearest even, as bf16(float)
-#ifdef __AVX512BF16__
-  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
-#else
-  alignas(64) float f[16];
-  _mm512_store_ps(f, v);
-  for (int i = 0; i < 16; ++i) p[i] = bf16(f[i]);
-#endif
-}
 
 template <int MB, int NB, typename Out>
 void q8_packed_block(const int8_t* x, const int32_t* xsum, const float* xs, int64_t K, const uint8_t* w,
@@ -1814,6 +1820,110 @@ at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// Prefill attention over a bf16 pool: a prompt chunk's T queries q [T, H, D] at positions C - T .. C - 1 against
+// the C keys and values at pool `slots` (its context: the earlier chunks' tokens, then its own), causally; out
+// [T, H, D] bf16. Both halves are packed products (packed_rows): each kv head's keys are packed once as a weight of
+// C rows ([C / 16, D / 2, 16, 2]) and its values as one of D rows ([D / 16, C / 2, 16, 2]); a work item, the G
+// query heads of one kv head at kPrefillPositions positions, takes its scores as float32, their softmax in float32
+// (the weights rounded to bf16 for the second product, as torch's flash kernel rounds them), and its output. An
+// item reads only the keys its last query sees. Zen 4, 2 threads, the zoo's heads, 256-1024 new tokens over 256-2048
+// of context: 2.3-3.1x torch's flash kernel on the gathered keys, 150-250 GFLOP/s (benchmarks/kernels.py --sections c).
+constexpr int64_t kPrefillPositions = 16;
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
+                  q.size(1) % k.size(1) == 0 && q.size(2) % 16 == 0 && q.size(2) <= 16 * kMaxRow &&
+                  q.scalar_type() == at::kBFloat16 &&
+                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.is_contiguous() &&
+                  v.is_contiguous() && q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "prefill_attention wants bf16 q [T, H, D] and contiguous k, v [slots, Hkv, D], H a multiple of Hkv "
+              "and D of 16 up to 256; got ", q.sizes(), " ", k.sizes());
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) >= q.size(0),
+              "prefill_attention wants int64 slots [C] with C >= T");
+  const at::Tensor qc = q.contiguous(), sc = slots.contiguous();
+  const int64_t T = qc.size(0), H = qc.size(1), D = qc.size(2), Hkv = k.size(1), G = H / Hkv, C = sc.size(0);
+  const int64_t Cp = (C + 15) / 16 * 16;  // keys padded to whole tiles, with zeros
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < C; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "prefill_attention: slot ", sp[i], " is not in the pool");
+  const bf16 *qp = qc.data_ptr<bf16>(), *kp = k.data_ptr<bf16>(), *vp = v.data_ptr<bf16>();
+  std::vector<bf16> keys(Hkv * Cp * D), values(Hkv * D * Cp);
+  at::parallel_for(0, Hkv * Cp / 16, 1, [&](int64_t b0, int64_t b1) {  // b: 16 keys of one kv head
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t h = b / (Cp / 16), c0 = b % (Cp / 16) * 16;
+      // as uint32: a key's pair (d, d + 1); two keys' (c, c + 1) values of one channel
+      uint32_t* kt = (uint32_t*)keys.data() + (h * Cp + c0) * D / 2;
+      uint32_t* vt = (uint32_t*)values.data() + h * D * Cp / 2;
+      u16x16 zero{}, kv[2][kMaxRow];
+      for (int64_t i = 0; i < 16; ++i) {
+        const bool real = c0 + i < C;
+        const bf16 *krow = kp + (sp[real ? c0 + i : 0] * Hkv + h) * D, *vrow = vp + (krow - kp);
+        for (int64_t dp = 0; dp < D / 2; ++dp)
+          std::memcpy(kt + dp * 16 + i, real ? (const void*)(krow + 2 * dp) : &zero, 4);
+        for (int64_t j = 0; j < D / 16; ++j)
+          if (real)
+            std::memcpy(&kv[i % 2][j], vrow + j * 16, 32);
+          else
+            kv[i % 2][j] = zero;
+        if (i % 2)
+          for (int64_t j = 0; j < D / 16; ++j) {
+            const u32x16 pair =
+                __builtin_convertvector(kv[0][j], u32x16) | __builtin_convertvector(kv[1][j], u32x16) << 16;
+            std::memcpy(vt + j * 8 * Cp + (c0 + i) / 2 * 16, &pair, 64);
+          }
+      }
+    }
+  });
+  at::Tensor out = at::empty({T, H, D}, qc.options());
+  bf16* op = out.data_ptr<bf16>();
+  const float scale = 1.f / std::sqrt(float(D));
+  const int64_t tiles = (T + kPrefillPositions - 1) / kPrefillPositions;
+  at::parallel_for(0, tiles * Hkv, 1, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<bf16> rows, weights;
+    thread_local std::vector<float> scores, acc, total;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t z = w / Hkv, h = w % Hkv;
+      const int64_t tile = z % 2 ? tiles - 1 - z / 2 : z / 2;  // short and long items alternate: threads' shares even
+      const int64_t i0 = tile * kPrefillPositions, R = std::min(kPrefillPositions, T - i0) * G;
+      const int64_t width = (C - T + i0 + R / G + 15) / 16 * 16;  // the keys its last query sees, whole tiles
+      rows.resize(R * D), weights.resize(R * width), scores.resize(R * width), acc.resize(R * D);
+      for (int64_t r = 0; r < R; ++r)  // row r: query head h G + r % G at position i0 + r / G
+        std::memcpy(rows.data() + r * D, qp + ((i0 + r / G) * H + h * G + r % G) * D, D * sizeof(bf16));
+      for (int64_t t = 0; t < width / 16; t += kPackTiles)
+        for (int64_t m0 = 0; m0 < R; m0 += kPackRows)
+          packed_rows(rows.data() + m0 * D, D, keys.data() + (h * Cp + t * 16) * D, 16 * D,
+                      scores.data() + m0 * width + t * 16, width, std::min(kPackRows, R - m0),
+                      std::min(kPackTiles, width / 16 - t));
+      total.resize(R);
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = scores.data() + r * width;
+        for (int64_t c = C - T + i0 + r / G + 1; c < width; ++c) s[c] = -INFINITY;  // past its position
+        f32x16 top = splat(-INFINITY), sum{};
+        for (int64_t c = 0; c < width; c += 16) {
+          const f32x16 x = load16(s + c);
+          top = top < x ? x : top;
+        }
+        float m = top[0];
+        for (int i = 1; i < 16; ++i) m = std::max(m, top[i]);
+        for (int64_t c = 0; c < width; c += 16) {
+          const f32x16 p = round_bf16(exp16((load16(s + c) - m) * scale));
+          store16(weights.data() + r * width + c, p);
+          sum += p;
+        }
+        total[r] = sum16(sum);
+      }
+      for (int64_t t = 0; t < D / 16; t += kPackTiles)
+        for (int64_t m0 = 0; m0 < R; m0 += kPackRows)
+          packed_rows(weights.data() + m0 * width, width, values.data() + (h * D + t * 16) * Cp, 16 * Cp,
+                      acc.data() + m0 * D + t * 16, D, std::min(kPackRows, R - m0), std::min(kPackTiles, D / 16 - t));
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < D; d += 16)
+          store16(op + ((i0 + r / G) * H + h * G + r % G) * D + d, load16(acc.data() + r * D + d) / total[r]);
+    }
+  });
+  return out;
+}
+
 std::string isa() { return LEANLM_ISA; }
 
 }  // namespace
@@ -1838,6 +1948,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("rope(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor slots) -> Tensor");
   m.def("quantize_int4(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("read_int4(Tensor k, Tensor v, Tensor k_scale, Tensor k_min, Tensor v_scale, Tensor v_min, Tensor side, "
         "Tensor entry_of, Tensor sink_k, Tensor sink_v, Tensor sink_of, Tensor slots, int block_size) -> "
@@ -1864,6 +1975,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("rope", rope);
   m.impl("paged_attention", paged_attention);
   m.impl("paged_attention_int4", paged_attention_int4);
+  m.impl("prefill_attention", prefill_attention);
   m.impl("quantize_int4", quantize_int4);
   m.impl("read_int4", read_int4);
 }

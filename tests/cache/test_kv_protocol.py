@@ -52,6 +52,19 @@ def test_static_and_paged_caches_attend_alike(int8):
     assert (attend(fresh, 9, q, k, v) - alone).abs().max() < (0.05 if int8 else 1e-6)
 
 
+def test_bfloat16_prompt_chunks_attend_like_the_static_cache():
+    """bf16: a 9-token prompt in two chunks (5 tokens, then 4 attending to those too) through engine steps over the
+    pool (leanlm's prefill kernel where the CPU has bf16 dot products, else SDPA over the gathered keys) against
+    the static cache in float32 on the same bf16 inputs."""
+    pool, static = KVPool(CFG, 8, 4, torch.bfloat16), StaticCache(CFG, 1, 16, torch.float32)
+    q, k, v = (x.bfloat16() for x in qkv(9, seed=0))
+    for start, n in ((0, 5), (5, 4)):
+        part = [x[:, start : start + n] for x in (q, k, v)]
+        ours = attend(PagedStep(pool, [TABLE], [start], [n]), n, *part)
+        theirs = attend(static, n, *(x.float() for x in part))
+        assert ours.dtype == torch.bfloat16 and (ours.float() - theirs).abs().max() < 2e-2 * theirs.abs().max()
+
+
 def test_the_compiled_steps_caches_attend_like_the_static_one():
     """The slot caches the compiled steps trace (run eagerly here): generation.compiled's writes at a slot and
     masks the rest; engine.compiled's writes at pool slots and reads through block tables."""

@@ -466,6 +466,21 @@ def test_prefill_attention_equals_causal_attention_over_gathered_keys(ops, T, C,
         ops.prefill_attention(q, k, v, slots + 1000)
 
 
+@pytest.mark.parametrize("n", [1536, 4864, 48, 64])  # 12 x 128, 152 x 32, 12 x 4 (no 16-float vectors), 1 x 64
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hadamard_rotate_is_the_dense_rotation(ops, n, dtype):
+    """QuaRot's online rotation by the kernel (B^T on the left, a fast Walsh-Hadamard transform on the right, the
+    random signs) against the row times the dense orthogonal matrix rotation(n)."""
+    from leanlm.lowbit.hadamard import _online_factors, rotation
+
+    bt, _, scale = _online_factors(n, 3, torch.device("cpu"))
+    x = torch.randn(5, n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    y = ops.hadamard_rotate(x, bt, scale)
+    expected = x.double() @ rotation(n, seed=3)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert (y.double() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max()
+
+
 def test_quantize_int4_is_the_int4_kv_caches_python_grid_bit_for_bit(ops):
     from leanlm.cache.int4 import fit, pack
 

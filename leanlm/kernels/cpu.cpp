@@ -1744,6 +1744,20 @@ inline f32x16 round_bf16(f32x16 v) {  // v rounded to bf16 and back
   return r;
 }
 
+// x H_16 for 16 floats: four butterfly stages (strides 8, 4, 2, 1), each a lane swap, then lane i keeps a + b where
+// bit s of i is clear and b - a where it is set (b the swapped lane: y[i] = x[i] + x[i ^ s], or x[i ^ s] - x[i])
+inline f32x16 hadamard16(f32x16 a) {
+  const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  f32x16 b = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  a = (lane & 8) ? b - a : a + b;
+  b = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  a = (lane & 4) ? b - a : a + b;
+  b = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  a = (lane & 2) ? b - a : a + b;
+  b = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return (lane & 1) ? b - a : a + b;
+}
+
 // y = w * bf16(x / sqrt(mean(x^2) + eps)), per row: x [M, D] bf16, w [D] bf16, D % 16 == 0
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
@@ -1924,6 +1938,78 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
+// QuaRot's online rotation of rows x [R, n] (lowbit/hadamard.py OnlineRotation): with n = m p, each row viewed as
+// [m, p] becomes scale * (B^T (x H_p)) for Sylvester's H_p (a fast Walsh-Hadamard transform of each p-chunk: p log p
+// adds, no multiplies) and an m x m matrix bt = B^T; scale [n] holds the random signs over sqrt(n). In float32, one
+// row at a time per thread, out in x's dtype. Where 16 divides p the butterflies run on 16-float vectors: strides
+// of 16 and more between vectors, 8 to 1 inside one by a lane swap and a blend.
+template <typename T>
+void rotate_row(const T* x, const float* bt, const float* scale, int64_t m, int64_t p, float* z, T* out) {
+  const int64_t n = m * p;
+  const bool vectors = p % 16 == 0;
+  for (int64_t i = 0; i < n; ++i) z[i] = float(x[i]);
+  for (int64_t c = 0; c < m; ++c) {  // z[c] <- z[c] H_p
+    float* v = z + c * p;
+    int64_t s = 1;  // the stride of the next butterfly stage
+    if (vectors) {
+      for (int64_t i = 0; i < p; i += 16) store16(v + i, hadamard16(load16(v + i)));
+      s = 16;
+    }
+    for (; s < p; s *= 2)
+      for (int64_t i = 0; i < p; i += 2 * s)
+        for (int64_t j = i; j < i + s; ++j) {
+          const float a = v[j], b = v[j + s];
+          v[j] = a + b, v[j + s] = a - b;
+        }
+  }
+  // out[r] = (sum_c bt[r, c] z[c]) * scale[r], 8 rows r at a time: each vector of z read once for 8 independent sums
+  constexpr int64_t kRows = 8;
+  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+    const int64_t rb = std::min(kRows, m - r0);
+    for (int64_t i = 0; i < p; i += vectors ? 16 : 1) {
+      if (vectors) {
+        f32x16 acc[kRows] = {};
+        for (int64_t c = 0; c < m; ++c) {
+          const f32x16 zc = load16(z + c * p + i);
+          for (int64_t k = 0; k < rb; ++k) acc[k] += bt[(r0 + k) * m + c] * zc;
+        }
+        for (int64_t k = 0; k < rb; ++k) store16(out + (r0 + k) * p + i, acc[k] * load16(scale + (r0 + k) * p + i));
+      } else {
+        for (int64_t k = 0; k < rb; ++k) {
+          float acc = 0.f;
+          for (int64_t c = 0; c < m; ++c) acc += bt[(r0 + k) * m + c] * z[c * p + i];
+          out[(r0 + k) * p + i] = T(acc * scale[(r0 + k) * p + i]);
+        }
+      }
+    }
+  }
+}
+
+at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& bt, const at::Tensor& scale) {
+  const int64_t m = bt.size(0), n = scale.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == n && bt.dim() == 2 && bt.size(1) == m && n % m == 0 &&
+                  bt.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "hadamard_rotate takes x [R, n] (float32 or bf16), float32 bt [m, m] and scale [n] with m dividing n; "
+              "got ", x.sizes(), ", ", bt.sizes(), ", ", scale.sizes());
+  const int64_t p = n / m;
+  TORCH_CHECK((p & (p - 1)) == 0, "hadamard_rotate: n / m = ", p, " is not a power of two");
+  const at::Tensor xc = x.contiguous(), b = bt.contiguous(), sc = scale.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const float *bp = b.data_ptr<float>(), *sp = sc.data_ptr<float>();
+  auto rows = [&](const auto* xp, auto* op) {
+    at::parallel_for(0, xc.size(0), 1, [&](int64_t r0, int64_t r1) {
+      std::vector<float> z(n);
+      for (int64_t r = r0; r < r1; ++r) rotate_row(xp + r * n, bp, sp, m, p, z.data(), op + r * n);
+    });
+  };
+  if (xc.scalar_type() == at::kBFloat16)
+    rows(xc.data_ptr<bf16>(), out.data_ptr<bf16>());
+  else
+    rows(xc.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
 std::string isa() { return LEANLM_ISA; }
 
 }  // namespace
@@ -1949,6 +2035,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor slots) -> Tensor");
+  m.def("hadamard_rotate(Tensor x, Tensor bt, Tensor scale) -> Tensor");
   m.def("quantize_int4(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("read_int4(Tensor k, Tensor v, Tensor k_scale, Tensor k_min, Tensor v_scale, Tensor v_min, Tensor side, "
         "Tensor entry_of, Tensor sink_k, Tensor sink_v, Tensor sink_of, Tensor slots, int block_size) -> "
@@ -1976,6 +2063,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("paged_attention_int4", paged_attention_int4);
   m.impl("prefill_attention", prefill_attention);
+  m.impl("hadamard_rotate", hadamard_rotate);
   m.impl("quantize_int4", quantize_int4);
   m.impl("read_int4", read_int4);
 }

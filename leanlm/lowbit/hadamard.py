@@ -10,6 +10,8 @@ import functools
 import torch
 from torch import nn
 
+from leanlm import kernels
+
 
 def _paley(q: int) -> torch.Tensor:
     """A Hadamard matrix of order q + 1 for a prime q = 3 (mod 4) (Paley's first construction)  # [q+1, q+1]"""
@@ -79,15 +81,17 @@ def _online_factors(n: int, seed: int, device: torch.device) -> tuple:
         made = rotation(n, seed), None, None
     else:
         made = base[0].T, _sylvester(base[1]), _signs(n, torch.Generator().manual_seed(seed)) / n ** 0.5
-    return tuple(None if t is None else t.float().to(device) for t in made)
+    return tuple(None if t is None else t.float().contiguous().to(device) for t in made)
 
 
 class OnlineRotation(nn.Module):
     """x -> x @ rotation(n, seed) at run time (QuaRot's online Hadamard). Where rotation(n) is B kron H_p with
     random signs, x is viewed as [..., m, p] and multiplied by B^T on the left and H_p on the right: n (m + p)
-    multiply-adds a row where the dense product takes n^2 (1536 = 12 x 128: 215k against 2.4M). In float32. The
-    matrices are made on first use on the input's device (a model is built on the meta device, then loaded), once
-    for all the layers that share (n, seed), and never saved: the seed in the model's config makes them."""
+    multiply-adds a row where the dense product takes n^2 (1536 = 12 x 128: 215k against 2.4M). In float32; on the
+    CPU (float32 or bf16 x, no gradient) by leanlm's kernel, H_p as a fast Walsh-Hadamard transform (p log p adds),
+    else as two GEMMs. The matrices are made on first use on the input's device (a model is built on the meta
+    device, then loaded), once for all the layers that share (n, seed), and never saved: the seed in the model's
+    config makes them."""
 
     def __init__(self, n: int, seed: int):
         super().__init__()
@@ -97,6 +101,14 @@ class OnlineRotation(nn.Module):
         left, right, scale = _online_factors(self.n, self.seed, x.device)
         if right is None:
             return (x.float() @ left).to(x.dtype)
+        grad = torch.is_grad_enabled() and x.requires_grad
+        if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and not grad and (ops := kernels.ops()) is not None:
+            return ops.hadamard_rotate(x.reshape(-1, self.n), left, scale).view(x.shape)
+        return self.gemms(x)
+
+    def gemms(self, x: torch.Tensor) -> torch.Tensor:
+        """The Kronecker product as two float32 GEMMs (off the CPU kernel's path: other devices, autograd)."""
+        left, right, scale = _online_factors(self.n, self.seed, x.device)
         y = x.float().unflatten(-1, (left.shape[0], -1)) @ right  # [..., m, p]: one GEMM of all rows' m x p
         y = (y.transpose(-1, -2) @ left.T).transpose(-1, -2)  # B^T y, again as one GEMM
         return (y.flatten(-2) * scale).to(x.dtype)

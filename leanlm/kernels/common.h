@@ -51,18 +51,23 @@ struct Rows {
   const int16_t* q = nullptr;    // [M, Kp]
   const float* scale = nullptr;  // [M]: x ~ q * scale
 
-  // x [M, K] rounded to int16 per row
+  // x [M, K] rounded to int16 per row; from 16 rows on (prefill) the rows are split across the threads
   explicit Rows(const at::Tensor& x) : Rows(x.size(0), x.size(1)) {
-    float* fp = fbuf().data();
+    float* fp = fbuf().data();  // this thread's buffers, filled by every thread
+    [[maybe_unused]] float* sp = sbuf().data();
+    [[maybe_unused]] int16_t* qp = qbuf().data();
     const int64_t sm = x.stride(0), sk = x.stride(1);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows", [&] {
       const scalar_t* p = x.data_ptr<scalar_t>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) fp[m * K + k] = float(p[m * sm + k * sk]);
-    });
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+          for (int64_t k = 0; k < K; ++k) fp[m * K + k] = float(p[m * sm + k * sk]);
 #ifdef LEANLM_SIMD
-    for (int64_t m = 0; m < M; ++m) sbuf()[m] = round_row(fp + m * K, K, qbuf().data() + m * Kp);
+          sp[m] = round_row(fp + m * K, K, qp + m * Kp);
 #endif
+        }
+      });
+    });
   }
 
   // x = codes [M, K] int8 (contiguous) times scales [M] float32, as W8A8 quantized it: widened, not rounded again

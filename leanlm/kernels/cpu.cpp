@@ -926,8 +926,8 @@ constexpr int64_t kW8Chunk = 256;
 
 #ifdef LEANLM_AVX512
 template <int MB, int NB, typename Out>
-void w8_packed_block(const int16_t* x, const float* xs, int64_t K, const int8_t* w, const bf16* scale, Out* y,
-                     int64_t N) {  // w, scale, y: the block's first tile
+void w8_packed_block(const int16_t* x, const float* xs, int64_t K, int64_t ldx, const int8_t* w, const bf16* scale,
+                     Out* y, int64_t N) {  // x's rows ldx apart; w, scale, y: the block's first tile
   alignas(64) float sum[MB][NB][16] = {};  // touched once a chunk: in memory, the registers hold the int32 sums
   for (int64_t c = 0; c < K; c += kW8Chunk) {
     __v16si acc[MB][NB];
@@ -938,7 +938,7 @@ void w8_packed_block(const int16_t* x, const float* xs, int64_t K, const int8_t*
       for (int j = 0; j < NB; ++j)
         wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + j * K * 16 + k * 16)));
       for (int m = 0; m < MB; ++m) {
-        const __m512i xv = pair(x + m * K + k);
+        const __m512i xv = pair(x + m * ldx + k);
         for (int j = 0; j < NB; ++j) acc[m][j] = (__v16si)_mm512_dpwssd_epi32((__m512i)acc[m][j], wv[j], xv);
       }
     }
@@ -954,7 +954,8 @@ void w8_packed_block(const int16_t* x, const float* xs, int64_t K, const int8_t*
 }
 
 template <typename Out>
-using W8PackedBlock = void (*)(const int16_t*, const float*, int64_t, const int8_t*, const bf16*, Out*, int64_t);
+using W8PackedBlock = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const bf16*, Out*,
+                               int64_t);
 template <typename Out>
 constexpr W8PackedBlock<Out> kW8Packed[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 1]
     {w8_packed_block<1, 1, Out>, w8_packed_block<1, 2, Out>, w8_packed_block<1, 3, Out>},
@@ -971,25 +972,14 @@ template <typename Out>
 void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale, Out* yp, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
 #ifdef LEANLM_AVX512
-  std::vector<int16_t> xq(M * K);  // x's rows rounded to int16, each on the thread that drew it (prefill: many)
-  std::vector<float> xs(M);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "w8a16_packed_gemm", [&] {
-    const scalar_t* p = x.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      std::vector<float> row(K);
-      for (int64_t m = m0; m < m1; ++m) {
-        for (int64_t k = 0; k < K; ++k) row[k] = float(p[m * K + k]);
-        xs[m] = Rows::round_row(row.data(), K, xq.data() + m * K);
-      }
-    });
-  });
+  const Rows r(x);  // x's rows rounded to int16 as int8_gemv rounds them, Kp apart
 #else
   const at::Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
 #endif
   packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
-    kW8Packed<Out>[mb - 1][nb - 1](xq.data() + m0 * K, xs.data() + m0, K, wp + t * 16 * K, scale + t * 16,
+    kW8Packed<Out>[mb - 1][nb - 1](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp + t * 16 * K, scale + t * 16,
                                    yp + m0 * N + t * 16, N);
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)

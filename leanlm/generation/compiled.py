@@ -16,6 +16,7 @@ from leanlm import kernels
 from leanlm.cache.base import UpdateThenAttend
 from leanlm.cache.static import StaticCache
 from leanlm.cache.int8 import dequantize_per_token, quantize_per_token
+from leanlm.lowbit.hadamard import OnlineRotation
 from leanlm.models.transformer import Transformer
 
 
@@ -80,8 +81,12 @@ class StepCompiler:
         """`model` must not change (weights, dtype, modules) once compiled. cuda_graphs: on a GPU, replay each
         step as a CUDA graph (see _GraphedPlan)."""
         self.model, self.step, self.cuda_graphs = model, fn, cuda_graphs
-        # timed now, eagerly: the traced Linears read them
+        # timed now, eagerly: the traced Linears read them; so do online rotations their matrices
         kernels.bf16_rows(), kernels.int8_rows(), kernels.w8a16_rows()
+        device = next(model.parameters()).device
+        for m in model.modules():
+            if isinstance(m, OnlineRotation):
+                m.factors(device)
         self._plans: dict[tuple, _Plan | None] = {}
         self._compiled: dict[tuple, object] = {}  # key -> its own torch.compile'd copy of fn
         self._captured: tuple | None = None

@@ -96,9 +96,18 @@ class OnlineRotation(nn.Module):
     def __init__(self, n: int, seed: int):
         super().__init__()
         self.n, self.seed = n, seed
+        self._made: dict[torch.device, tuple] = {}
+
+    def factors(self, device: torch.device) -> tuple:
+        """(B^T, H_p, signs / sqrt(n)) on `device`, or (the dense rotation, None, None). torch.compile cannot make
+        them (a seeded generator) and traces through lru_cache: a compiled step finds them here, made before it
+        (generation.compiled.StepCompiler makes every rotation's)."""
+        if device not in self._made:
+            self._made[device] = _online_factors(self.n, self.seed, device)
+        return self._made[device]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        left, right, scale = _online_factors(self.n, self.seed, x.device)
+        left, right, scale = self.factors(x.device)
         if right is None:
             return (x.float() @ left).to(x.dtype)
         grad = torch.is_grad_enabled() and x.requires_grad
@@ -108,7 +117,7 @@ class OnlineRotation(nn.Module):
 
     def gemms(self, x: torch.Tensor) -> torch.Tensor:
         """The Kronecker product as two float32 GEMMs (off the CPU kernel's path: other devices, autograd)."""
-        left, right, scale = _online_factors(self.n, self.seed, x.device)
+        left, right, scale = self.factors(x.device)
         y = x.float().unflatten(-1, (left.shape[0], -1)) @ right  # [..., m, p]: one GEMM of all rows' m x p
         y = (y.transpose(-1, -2) @ left.T).transpose(-1, -2)  # B^T y, again as one GEMM
         return (y.flatten(-2) * scale).to(x.dtype)

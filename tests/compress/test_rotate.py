@@ -106,6 +106,32 @@ def test_online_rotation_keeps_the_function_then_w8a8_saves_loads_and_refuses_ex
         export(again, tmp_path / "out", tmp_path / "ct")
 
 
+def test_a_model_rotated_online_builds_its_compiled_engine_steps_first(source):  # noqa: F811
+    """A server compiles its decode steps before any request (Engine.build_graphs), so nothing eager has made the
+    rotation's matrices yet, and torch.compile cannot make them (a seeded generator; it traces through lru_cache):
+    the step compiler makes them first. The compiled engine then decodes as the eager one."""
+    from leanlm.engine import Engine, EngineConfig
+    from leanlm.generation.sampling import SamplingParams
+    from leanlm.tokenizer import Tokenizer
+
+    _, path = source
+    model = load_model(path, torch.float32)
+    rotate_mlp_inputs(model, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outputs = []
+    for compile in (True, False):
+        engine = Engine(model, Tokenizer(path), EngineConfig(block_size=4, kv_cache_memory=1 << 24, max_num_seqs=2,
+                                                             compile=compile))
+        if compile and engine.runner.compiled is None:
+            pytest.skip("no paged-attention kernel here")
+        engine.build_graphs()
+        seqs = [engine.add_request(str(i), p, params)[0] for i, p in enumerate([[5, 9, 11, 3], [7, 2, 8, 8, 4]])]
+        while engine.has_work:
+            engine.step()
+        outputs.append([s.output_ids for s in seqs])
+    assert outputs[0] == outputs[1]
+
+
 def test_smoothing_and_neuron_pruning_leave_a_rotated_mlp_input_alone(source, tmp_path):  # noqa: F811
     """SmoothQuant and AWQ fold down_proj's scale into up's rows, which a run-time rotation sits behind: SmoothQuant
     skips down_proj (the recipe still runs and keeps the function), neuron pruning refuses."""

@@ -655,6 +655,19 @@ std::string bf16_isa() { return LEANLM_BF16_DOT; }
 // (benchmarks/kernels.py --sections b).
 constexpr int64_t kPackRows = 8, kPackTiles = 3;  // rows of x and tiles of 16 columns a block
 
+// A packed product's dispatch table: kBlocks<Blocks, R>[m - 1][n - 1] is Blocks::at<m, n>, its register block of
+// m rows of x by n tiles of 16 columns, for m <= R and n <= kPackTiles (a product picks the shape at run time).
+template <typename Blocks, size_t M, size_t... N>
+constexpr auto block_row(std::index_sequence<N...>) {
+  return std::array{Blocks::template at<int(M) + 1, int(N) + 1>...};
+}
+template <typename Blocks, size_t... M>
+constexpr auto block_table(std::index_sequence<M...>) {
+  return std::array{block_row<Blocks, M>(std::make_index_sequence<kPackTiles>())...};
+}
+template <typename Blocks, int64_t R = kPackRows>
+constexpr auto kBlocks = block_table<Blocks>(std::make_index_sequence<R>());
+
 #ifdef LEANLM_AVX512
 inline void store_out(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store_out(bf16* p, __m512 v) {  // rounded to nearest even, as bf16(float)
@@ -689,17 +702,10 @@ void packed_block(const bf16* x, int64_t K, const bf16* w, int64_t ws, Out* y, i
 }
 
 template <typename Out>
-using PackedBlock = void (*)(const bf16*, int64_t, const bf16*, int64_t, Out*, int64_t);
-template <typename Out>
-constexpr PackedBlock<Out> kPacked[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 1]
-    {packed_block<1, 1, Out>, packed_block<1, 2, Out>, packed_block<1, 3, Out>},
-    {packed_block<2, 1, Out>, packed_block<2, 2, Out>, packed_block<2, 3, Out>},
-    {packed_block<3, 1, Out>, packed_block<3, 2, Out>, packed_block<3, 3, Out>},
-    {packed_block<4, 1, Out>, packed_block<4, 2, Out>, packed_block<4, 3, Out>},
-    {packed_block<5, 1, Out>, packed_block<5, 2, Out>, packed_block<5, 3, Out>},
-    {packed_block<6, 1, Out>, packed_block<6, 2, Out>, packed_block<6, 3, Out>},
-    {packed_block<7, 1, Out>, packed_block<7, 2, Out>, packed_block<7, 3, Out>},
-    {packed_block<8, 1, Out>, packed_block<8, 2, Out>, packed_block<8, 3, Out>}};
+struct PackedBf16 {
+  template <int MB, int NB>
+  static constexpr auto at = packed_block<MB, NB, Out>;
+};
 #endif
 
 // mb (<= kPackRows) rows of x [mb, K] against nb (<= kPackTiles) tiles of a packed weight (w: the first; tiles ws
@@ -707,7 +713,7 @@ constexpr PackedBlock<Out> kPacked[kPackRows][kPackTiles] = {  // [rows - 1][til
 template <typename Out>
 void packed_rows(const bf16* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N, int64_t mb, int64_t nb) {
 #if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
-  kPacked<Out>[mb - 1][nb - 1](x, K, w, ws, y, N);
+  kBlocks<PackedBf16<Out>>[mb - 1][nb - 1](x, K, w, ws, y, N);
 #else
   for (int64_t m = 0; m < mb; ++m)
     for (int64_t n = 0; n < nb * 16; ++n) {
@@ -856,18 +862,10 @@ void q8_packed_block(const int8_t* x, const int32_t* xsum, const float* xs, int6
 }
 
 template <typename Out>
-using Q8PackedBlock = void (*)(const int8_t*, const int32_t*, const float*, int64_t, const uint8_t*, const float*,
-                               Out*, int64_t);
-template <typename Out>
-constexpr Q8PackedBlock<Out> kQ8Packed[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 1]
-    {q8_packed_block<1, 1, Out>, q8_packed_block<1, 2, Out>, q8_packed_block<1, 3, Out>},
-    {q8_packed_block<2, 1, Out>, q8_packed_block<2, 2, Out>, q8_packed_block<2, 3, Out>},
-    {q8_packed_block<3, 1, Out>, q8_packed_block<3, 2, Out>, q8_packed_block<3, 3, Out>},
-    {q8_packed_block<4, 1, Out>, q8_packed_block<4, 2, Out>, q8_packed_block<4, 3, Out>},
-    {q8_packed_block<5, 1, Out>, q8_packed_block<5, 2, Out>, q8_packed_block<5, 3, Out>},
-    {q8_packed_block<6, 1, Out>, q8_packed_block<6, 2, Out>, q8_packed_block<6, 3, Out>},
-    {q8_packed_block<7, 1, Out>, q8_packed_block<7, 2, Out>, q8_packed_block<7, 3, Out>},
-    {q8_packed_block<8, 1, Out>, q8_packed_block<8, 2, Out>, q8_packed_block<8, 3, Out>}};
+struct PackedQ8 {
+  template <int MB, int NB>
+  static constexpr auto at = q8_packed_block<MB, NB, Out>;
+};
 #endif
 
 template <typename Out>
@@ -876,8 +874,8 @@ void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, con
   const std::vector<int32_t> xsum = group_sums(xp, M, K, K);
   packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
-    kQ8Packed<Out>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K, scale + t * 16,
-                                   yp + m0 * N + t * 16, N);
+    kBlocks<PackedQ8<Out>>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K,
+                                           scale + t * 16, yp + m0 * N + t * 16, N);
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)
       for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
@@ -954,18 +952,10 @@ void w8_packed_block(const int16_t* x, const float* xs, int64_t K, int64_t ldx, 
 }
 
 template <typename Out>
-using W8PackedBlock = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const bf16*, Out*,
-                               int64_t);
-template <typename Out>
-constexpr W8PackedBlock<Out> kW8Packed[kPackRows][kPackTiles] = {  // [rows - 1][tiles - 1]
-    {w8_packed_block<1, 1, Out>, w8_packed_block<1, 2, Out>, w8_packed_block<1, 3, Out>},
-    {w8_packed_block<2, 1, Out>, w8_packed_block<2, 2, Out>, w8_packed_block<2, 3, Out>},
-    {w8_packed_block<3, 1, Out>, w8_packed_block<3, 2, Out>, w8_packed_block<3, 3, Out>},
-    {w8_packed_block<4, 1, Out>, w8_packed_block<4, 2, Out>, w8_packed_block<4, 3, Out>},
-    {w8_packed_block<5, 1, Out>, w8_packed_block<5, 2, Out>, w8_packed_block<5, 3, Out>},
-    {w8_packed_block<6, 1, Out>, w8_packed_block<6, 2, Out>, w8_packed_block<6, 3, Out>},
-    {w8_packed_block<7, 1, Out>, w8_packed_block<7, 2, Out>, w8_packed_block<7, 3, Out>},
-    {w8_packed_block<8, 1, Out>, w8_packed_block<8, 2, Out>, w8_packed_block<8, 3, Out>}};
+struct PackedW8 {
+  template <int MB, int NB>
+  static constexpr auto at = w8_packed_block<MB, NB, Out>;
+};
 #endif
 
 template <typename Out>
@@ -979,8 +969,8 @@ void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale,
 #endif
   packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
-    kW8Packed<Out>[mb - 1][nb - 1](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp + t * 16 * K, scale + t * 16,
-                                   yp + m0 * N + t * 16, N);
+    kBlocks<PackedW8<Out>>[mb - 1][nb - 1](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp + t * 16 * K,
+                                           scale + t * 16, yp + m0 * N + t * 16, N);
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)
       for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {
@@ -1062,14 +1052,10 @@ void int4_q8_block(const int8_t* x, const int32_t* xsum, const float* xs, int64_
 }
 
 template <typename Out>
-using Int4Q8Block = void (*)(const int8_t*, const int32_t*, const float*, int64_t, const uint8_t*, const bf16*,
-                             const bf16*, int64_t, Out*, int64_t);
-template <typename Out>
-constexpr Int4Q8Block<Out> kInt4Q8[4][kPackTiles] = {  // [rows - 1][tiles - 1]
-    {int4_q8_block<1, 1, Out>, int4_q8_block<1, 2, Out>, int4_q8_block<1, 3, Out>},
-    {int4_q8_block<2, 1, Out>, int4_q8_block<2, 2, Out>, int4_q8_block<2, 3, Out>},
-    {int4_q8_block<3, 1, Out>, int4_q8_block<3, 2, Out>, int4_q8_block<3, 3, Out>},
-    {int4_q8_block<4, 1, Out>, int4_q8_block<4, 2, Out>, int4_q8_block<4, 3, Out>}};
+struct PackedInt4Q8 {
+  template <int MB, int NB>
+  static constexpr auto at = int4_q8_block<MB, NB, Out>;
+};
 #endif
 // rows of x a block: 4, where 8 (the other packed products' count) ran 10-18% slower at 32-256 rows (Zen 4, groups
 // of 64): the 24 int32 sums and the group's epilogue did not fit the registers together
@@ -1088,8 +1074,9 @@ void int4_q8_product(const int8_t* xq, const float* xs, const uint8_t* wp, const
   const std::vector<int32_t> xsum = group_sums(xq, M, K, g);  // for the zero points
   packed_split(N / 16, M, kQ4Rows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
-    kInt4Q8<Out>[mb - 1][nb - 1](xq + m0 * K, xsum.data() + m0 * G, xs + m0, K, wp + t * 8 * K, sp + t * 16,
-                                 zp + t * 16, g, yp + m0 * N + t * 16, N);
+    kBlocks<PackedInt4Q8<Out>, kQ4Rows>[mb - 1][nb - 1](xq + m0 * K, xsum.data() + m0 * G, xs + m0, K,
+                                                        wp + t * 8 * K, sp + t * 16, zp + t * 16, g,
+                                                        yp + m0 * N + t * 16, N);
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)
       for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {

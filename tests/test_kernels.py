@@ -441,18 +441,27 @@ def test_int4_paged_attention_equals_attention_over_what_the_pool_reads(ops, dty
 @pytest.mark.parametrize("T, C, H, Hkv, D", [(40, 40, 6, 2, 64), (37, 100, 9, 3, 64), (1, 17, 4, 4, 128),
                                              (19, 19, 2, 1, 32)],
                          ids=["whole-prompt", "later-chunk", "one-token", "small-head"])
-def test_prefill_attention_equals_causal_attention_over_gathered_keys(ops, T, C, H, Hkv, D):
+@pytest.mark.parametrize("int8", [False, True])
+def test_prefill_attention_equals_causal_attention_over_gathered_keys(ops, T, C, H, Hkv, D, int8):
     """A prompt chunk's T queries (positions C - T .. C - 1) against the C keys and values at scattered pool slots,
     by the definition: scores in float, each query seeing the keys up to its own position. T not a multiple of the
-    kernel's 16 positions, C not one of its 16-key tiles; GQA groups of 3, 1 and 2; four threads split the items."""
+    kernel's 16 positions, C not one of its 16-key tiles; GQA groups of 3, 1 and 2; four threads split the items.
+    An int8 pool: its codes times their scales."""
+    from leanlm.cache.int8 import quantize_per_token
+
     g = torch.Generator().manual_seed(T * C)
     k, v = (torch.randn(C + 50, Hkv, D, generator=g).bfloat16() * 2 for _ in range(2))
+    pool = k, v
+    if int8:
+        (kq, ks), (vq, vs) = quantize_per_token(k), quantize_per_token(v)
+        pool = kq, vq, ks, vs
+        k, v = kq.float() * ks, vq.float() * vs  # the reference reads what the pool holds
     slots = torch.randperm(C + 50, generator=g)[:C]
     q = torch.randn(T, H, D, generator=g).bfloat16()
     before = torch.get_num_threads()
     torch.set_num_threads(4)
-    try:
-        out = ops.prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, slots)  # strided q
+    try:  # a strided q
+        out = ops.prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), *pool[:2], slots, *pool[2:])
     finally:
         torch.set_num_threads(before)
     kb, vb = (x[slots].float().repeat_interleave(H // Hkv, 1) for x in (k, v))
@@ -463,7 +472,7 @@ def test_prefill_attention_equals_causal_attention_over_gathered_keys(ops, T, C,
     # the weights are rounded to bf16 before the value product (as torch's flash kernel rounds them), the output once
     assert (out.float() - expected).abs().max() < 2e-2 * expected.abs().max()
     with pytest.raises(RuntimeError, match="slot"):
-        ops.prefill_attention(q, k, v, slots + 1000)
+        ops.prefill_attention(q, *pool[:2], slots + 1000, *pool[2:])
 
 
 @pytest.mark.parametrize("n", [1536, 4864, 48, 64])  # 12 x 128, 152 x 32, 12 x 4 (no 16-float vectors), 1 x 64

@@ -32,10 +32,13 @@ def paged_kernel(pool: KVPool):
 
 
 def prefill_kernel(pool: KVPool):
-    """leanlm's kernel ops if their prompt attention runs on this pool: bf16 entries, and native bf16 dot products
-    (elsewhere its portable loops are slower than torch's flash kernel), else None."""
+    """leanlm's kernel ops if their prompt attention runs on this pool: a bf16 model's, its entries bf16 or int8
+    codes, and native bf16 dot products (elsewhere its portable loops are slower than torch's flash kernel), else
+    None."""
     ops = paged_kernel(pool)
-    return ops if ops is not None and pool.k[0].dtype == torch.bfloat16 and ops.bf16_isa() == "avx512bf16" else None
+    entries = pool.k[0].dtype in (torch.bfloat16, torch.int8)
+    return ops if ops is not None and pool.dtype == torch.bfloat16 and entries and ops.bf16_isa() == "avx512bf16" \
+        else None
 
 
 def slots_of(block_table: list[int], block_size: int, end: int, device=None) -> torch.Tensor:
@@ -50,7 +53,7 @@ class PagedStep:
     Sequences that feed one token (decodes) come first and are attended to in one call: leanlm's paged-attention
     kernel reads their keys and values in place through the block tables (CPU; int8 pools too), or elsewhere a
     gather into a padded, masked [B, S] batch. Each longer chunk (a prompt) attends causally over its context:
-    leanlm's prefill kernel reads it in place where the CPU has bf16 dot products and the pool is bf16 (2.3-3.1x
+    leanlm's prefill kernel reads it in place where the CPU has bf16 dot products (a bf16 or int8 pool; 2.3-3.1x
     torch's flash kernel at 256 new tokens), else its T queries share one gather for SDPA."""
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int], device=None):
@@ -89,8 +92,9 @@ class PagedStep:
         outs = [self._decodes(layer, q[: self.num_single])] if self.num_single else []
         for c in self.chunks:
             if self.prefill is not None and q.dtype == torch.bfloat16:
+                scales = (self.pool.k_scale[layer], self.pool.v_scale[layer]) if self.pool.int8 else ()
                 outs.append(self.prefill.prefill_attention(q[c.start : c.start + c.length], self.pool.k[layer],
-                                                           self.pool.v[layer], c.slots))
+                                                           self.pool.v[layer], c.slots, *scales))
                 continue
             keys, values = self.pool.read(layer, c.slots)  # [C, Hkv, D]
             qc = q[c.start : c.start + c.length].transpose(0, 1)[None]  # [1, H, T, D]

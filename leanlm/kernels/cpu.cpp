@@ -1811,24 +1811,33 @@ at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-// Prefill attention over a bf16 pool: a prompt chunk's T queries q [T, H, D] at positions C - T .. C - 1 against
-// the C keys and values at pool `slots` (its context: the earlier chunks' tokens, then its own), causally; out
-// [T, H, D] bf16. Both halves are packed products (packed_rows): each kv head's keys are packed once as a weight of
-// C rows ([C / 16, D / 2, 16, 2]) and its values as one of D rows ([D / 16, C / 2, 16, 2]); a work item, the G
+// Prefill attention over a bf16 or int8 pool: a prompt chunk's T queries q [T, H, D] at positions C - T .. C - 1
+// against the C keys and values at pool `slots` (its context: the earlier chunks' tokens, then its own), causally;
+// out [T, H, D] bf16. An int8 pool's rows are read as codes times their scale, rounded to bf16 (cache.int8). Both
+// halves are packed products (packed_rows): each kv head's keys are packed once as a weight of C rows ([C / 16, D / 2,
+// 16, 2]) and its values as one of D rows ([D / 16, C / 2, 16, 2]); a work item, the G
 // query heads of one kv head at kPrefillPositions positions, takes its scores as float32, their softmax in float32
 // (the weights rounded to bf16 for the second product, as torch's flash kernel rounds them), and its output. An
 // item reads only the keys its last query sees. Zen 4, 2 threads, the zoo's heads, 256-1024 new tokens over 256-2048
 // of context: 2.3-3.1x torch's flash kernel on the gathered keys, 150-250 GFLOP/s (benchmarks/kernels.py --sections c).
 constexpr int64_t kPrefillPositions = 16;
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  const bool int8 = k.scalar_type() == at::kChar;
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
                   q.size(1) % k.size(1) == 0 && q.size(2) % 16 == 0 && q.size(2) <= 16 * kMaxRow &&
-                  q.scalar_type() == at::kBFloat16 &&
-                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.is_contiguous() &&
-                  v.is_contiguous() && q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "prefill_attention wants bf16 q [T, H, D] and contiguous k, v [slots, Hkv, D], H a multiple of Hkv "
-              "and D of 16 up to 256; got ", q.sizes(), " ", k.sizes());
+                  q.scalar_type() == at::kBFloat16 && (int8 || k.scalar_type() == at::kBFloat16) &&
+                  v.scalar_type() == k.scalar_type() && k.is_contiguous() && v.is_contiguous() && q.device().is_cpu() &&
+                  k.device().is_cpu() && v.device().is_cpu(),
+              "prefill_attention wants bf16 q [T, H, D] and contiguous k, v [slots, Hkv, D] (bf16, or int8 codes), H a "
+              "multiple of Hkv and D of 16 up to 256; got ", q.sizes(), " ", k.sizes(), " ", k.scalar_type());
+  for (const auto* scale : {&k_scale, &v_scale}) {
+    const bool fits = !int8 || ((*scale)->scalar_type() == at::kFloat && (*scale)->is_contiguous() &&
+                                (*scale)->numel() == k.size(0) * k.size(1));
+    TORCH_CHECK(int8 == scale->has_value() && fits,
+                "prefill_attention: int8 k, v need contiguous float32 k_scale and v_scale [slots, Hkv, 1], bf16 none");
+  }
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) >= q.size(0),
               "prefill_attention wants int64 slots [C] with C >= T");
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous();
@@ -1837,7 +1846,16 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t* sp = sc.data_ptr<int64_t>();
   for (int64_t i = 0; i < C; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "prefill_attention: slot ", sp[i], " is not in the pool");
-  const bf16 *qp = qc.data_ptr<bf16>(), *kp = k.data_ptr<bf16>(), *vp = v.data_ptr<bf16>();
+  const bf16* qp = qc.data_ptr<bf16>();
+  const float *ks = int8 ? k_scale->data_ptr<float>() : nullptr, *vs = int8 ? v_scale->data_ptr<float>() : nullptr;
+  // entry e = slot Hkv + kv head of a pool as bf16: in place, or an int8 row's codes times its scale in `buf`, as
+  // cache.int8.dequantize_per_token reads them
+  auto row = [&](const at::Tensor& pool, const float* scales, int64_t e, bf16* buf) -> const bf16* {
+    if (!scales) return pool.data_ptr<bf16>() + e * D;
+    const int8_t* c = pool.data_ptr<int8_t>() + e * D;
+    for (int64_t d = 0; d < D; ++d) buf[d] = bf16(float(c[d]) * scales[e]);
+    return buf;
+  };
   std::vector<bf16> keys(Hkv * Cp * D), values(Hkv * D * Cp);
   at::parallel_for(0, Hkv * Cp / 16, 1, [&](int64_t b0, int64_t b1) {  // b: 16 keys of one kv head
     for (int64_t b = b0; b < b1; ++b) {
@@ -1846,9 +1864,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       uint32_t* kt = (uint32_t*)keys.data() + (h * Cp + c0) * D / 2;
       uint32_t* vt = (uint32_t*)values.data() + h * D * Cp / 2;
       u16x16 zero{}, kv[2][kMaxRow];
+      bf16 kbuf[16 * kMaxRow], vbuf[16 * kMaxRow];
       for (int64_t i = 0; i < 16; ++i) {
         const bool real = c0 + i < C;
-        const bf16 *krow = kp + (sp[real ? c0 + i : 0] * Hkv + h) * D, *vrow = vp + (krow - kp);
+        const int64_t e = sp[real ? c0 + i : 0] * Hkv + h;
+        const bf16 *krow = row(k, ks, e, kbuf), *vrow = row(v, vs, e, vbuf);
         for (int64_t dp = 0; dp < D / 2; ++dp)
           std::memcpy(kt + dp * 16 + i, real ? (const void*)(krow + 2 * dp) : &zero, 4);
         for (int64_t j = 0; j < D / 16; ++j)
@@ -2011,7 +2031,8 @@ TORCH_LIBRARY(LEANLM_NS, m) {
   m.def("rope(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor lens, int block_size, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor slots) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor? k_scale=None, Tensor? v_scale=None) "
+        "-> Tensor");
   m.def("hadamard_rotate(Tensor x, Tensor bt, Tensor scale) -> Tensor");
   m.def("quantize_int4(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("read_int4(Tensor k, Tensor v, Tensor k_scale, Tensor k_min, Tensor v_scale, Tensor v_min, Tensor side, "

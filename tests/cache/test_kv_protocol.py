@@ -52,11 +52,13 @@ def test_static_and_paged_caches_attend_alike(int8):
     assert (attend(fresh, 9, q, k, v) - alone).abs().max() < (0.05 if int8 else 1e-6)
 
 
-def test_bfloat16_prompt_chunks_attend_like_the_static_cache():
+@pytest.mark.parametrize("int8", [False, True])
+def test_bfloat16_prompt_chunks_attend_like_the_static_cache(int8):
     """bf16: a 9-token prompt in two chunks (5 tokens, then 4 attending to those too) through engine steps over the
     pool (leanlm's prefill kernel where the CPU has bf16 dot products, else SDPA over the gathered keys) against
-    the static cache in float32 on the same bf16 inputs."""
-    pool, static = KVPool(CFG, 8, 4, torch.bfloat16), StaticCache(CFG, 1, 16, torch.float32)
+    the static cache in float32 on the same bf16 inputs (int8: the int8 static cache, which rounds alike)."""
+    pool = KVPool(CFG, 8, 4, torch.bfloat16, int8=int8)
+    static = (Int8KVCache if int8 else StaticCache)(CFG, 1, 16, torch.float32)
     q, k, v = (x.bfloat16() for x in qkv(9, seed=0))
     for start, n in ((0, 5), (5, 4)):
         part = [x[:, start : start + n] for x in (q, k, v)]

@@ -1814,11 +1814,11 @@ at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
 // Prefill attention over a bf16 or int8 pool: a prompt chunk's T queries q [T, H, D] at positions C - T .. C - 1
 // against the C keys and values at pool `slots` (its context: the earlier chunks' tokens, then its own), causally;
 // out [T, H, D] bf16. An int8 pool's rows are read as codes times their scale, rounded to bf16 (cache.int8). Both
-// halves are packed products (packed_rows): each kv head's keys are packed once as a weight of C rows ([C / 16, D / 2,
-// 16, 2]) and its values as one of D rows ([D / 16, C / 2, 16, 2]); a work item, the G
-// query heads of one kv head at kPrefillPositions positions, takes its scores as float32, their softmax in float32
-// (the weights rounded to bf16 for the second product, as torch's flash kernel rounds them), and its output. An
-// item reads only the keys its last query sees. Zen 4, 2 threads, the zoo's heads, 256-1024 new tokens over 256-2048
+// halves are packed products (packed_rows): each kv head's keys are packed once as a weight of C rows ([C / 16,
+// D / 2, 16, 2]) and its values as one of D rows ([D / 16, C / 2, 16, 2]); a work item, the G query heads of one kv
+// head at kPrefillPositions positions, takes its scores as float32, their softmax in float32 (the weights rounded to
+// bf16 for the second product, as torch's flash kernel rounds them), and its output. An item reads only the keys
+// its last query sees. Zen 4, 2 threads, the zoo's heads, 256-1024 new tokens over 256-2048
 // of context: 2.3-3.1x torch's flash kernel on the gathered keys, 150-250 GFLOP/s (benchmarks/kernels.py --sections c).
 constexpr int64_t kPrefillPositions = 16;
 
@@ -1850,9 +1850,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const float *ks = int8 ? k_scale->data_ptr<float>() : nullptr, *vs = int8 ? v_scale->data_ptr<float>() : nullptr;
   // entry e = slot Hkv + kv head of a pool as bf16: in place, or an int8 row's codes times its scale in `buf`, as
   // cache.int8.dequantize_per_token reads them
-  auto row = [&](const at::Tensor& pool, const float* scales, int64_t e, bf16* buf) -> const bf16* {
-    if (!scales) return pool.data_ptr<bf16>() + e * D;
-    const int8_t* c = pool.data_ptr<int8_t>() + e * D;
+  auto row = [&](const void* pool, const float* scales, int64_t e, bf16* buf) -> const bf16* {
+    if (!scales) return (const bf16*)pool + e * D;
+    const int8_t* c = (const int8_t*)pool + e * D;
     for (int64_t d = 0; d < D; ++d) buf[d] = bf16(float(c[d]) * scales[e]);
     return buf;
   };
@@ -1868,7 +1868,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       for (int64_t i = 0; i < 16; ++i) {
         const bool real = c0 + i < C;
         const int64_t e = sp[real ? c0 + i : 0] * Hkv + h;
-        const bf16 *krow = row(k, ks, e, kbuf), *vrow = row(v, vs, e, vbuf);
+        const bf16 *krow = row(k.data_ptr(), ks, e, kbuf), *vrow = row(v.data_ptr(), vs, e, vbuf);
         for (int64_t dp = 0; dp < D / 2; ++dp)
           std::memcpy(kt + dp * 16 + i, real ? (const void*)(krow + 2 * dp) : &zero, 4);
         for (int64_t j = 0; j < D / 16; ++j)

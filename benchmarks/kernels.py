@@ -213,9 +213,11 @@ def prefill_attention(ops, args) -> None:
     pool in place, against the engine's other path (gather the context, torch's SDPA with its flash kernel)."""
     table = Table(title=f"prefill attention, {args.threads} threads, bf16, 8 layers' pools in turn: microseconds a "
                         "layer (GFLOP/s of the causal products: 4 T H D per key a query sees)")
-    for col in ("model", "new tokens", "context", "gather + SDPA", "leanlm prefill_attention", "ratio"):
+    for col in ("model", "new tokens", "context", "gather + SDPA", "leanlm prefill_attention", "ratio",
+                "int8 pool: gather, dequantize + SDPA", "leanlm, int8 pool", "ratio"):
         table.add_column(col, justify="left" if col == "model" else "right")
     F = torch.nn.functional
+    from leanlm.cache.int8 import dequantize_per_token, quantize_per_token
     for name, H, Hkv, D, T, C in PREFILL:
         bs, g = 16, torch.Generator().manual_seed(0)
         blocks = 2 * C // bs
@@ -224,16 +226,26 @@ def prefill_attention(ops, args) -> None:
         pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(8)]
         mask = None if T == C else torch.arange(C)[None] <= torch.arange(C - T, C)[:, None]
 
-        def gathered(q, k, v):  # as cache.paged_attention.PagedStep without the kernel
-            keys, values = k[slots].transpose(0, 1)[None], v[slots].transpose(0, 1)[None]
-            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+        int8 = [(*quantize_per_token(k), *quantize_per_token(v)) for k, v in pools]  # codes, scales
+
+        def gathered(q, k, v, k_scale=None, v_scale=None):  # as cache.paged_attention.PagedStep without the kernel
+            keys, values = k[slots], v[slots]
+            if k_scale is not None:  # KVPool.read of an int8 pool
+                keys, values = (dequantize_per_token(x, s[slots], torch.bfloat16) for x, s in
+                                ((keys, k_scale), (values, v_scale)))
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                                  values.transpose(0, 1)[None], attn_mask=mask,
                                                   is_causal=mask is None, enable_gqa=True)
 
         flops = 4 * T * H * D * (C - T + (T + 1) / 2)
-        times = [seconds(fn, [(q, k, v, *extra) for k, v in pools], reps=24)
-                 for fn, extra in ((gathered, ()), (ops.prefill_attention, (slots,)))]
-        table.add_row(name, str(T), str(C), *(f"{t * 1e6:.0f} ({flops / t / 1e9:.0f})" for t in times),
-                      f"{times[0] / times[1]:.2f}x")
+        bf16 = [(q, k, v) for k, v in pools]
+        codes = [(q, kq, vq, ks, vs) for kq, ks, vq, vs in int8]
+        times = [seconds(gathered, bf16, reps=24), seconds(lambda *a: ops.prefill_attention(*a[:3], slots), bf16, 24),
+                 seconds(gathered, codes, reps=24),
+                 seconds(lambda q, k, v, ks, vs: ops.prefill_attention(q, k, v, slots, ks, vs), codes, reps=24)]
+        cells = [f"{t * 1e6:.0f} ({flops / t / 1e9:.0f})" for t in times]
+        table.add_row(name, str(T), str(C), *cells[:2], f"{times[0] / times[1]:.2f}x", *cells[2:],
+                      f"{times[2] / times[3]:.2f}x")
     Console(width=150).print(table)
 
 

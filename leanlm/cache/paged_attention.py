@@ -53,7 +53,7 @@ class PagedStep:
     Sequences that feed one token (decodes) come first and are attended to in one call: leanlm's paged-attention
     kernel reads their keys and values in place through the block tables (CPU; int8 pools too), or elsewhere a
     gather into a padded, masked [B, S] batch. Each longer chunk (a prompt) attends causally over its context:
-    leanlm's prefill kernel reads it in place where the CPU has bf16 dot products (a bf16 or int8 pool; 2.3-3.1x
+    leanlm's prefill kernel reads it in place where the CPU has bf16 dot products (a bf16 or int8 pool; 2.2-3.7x
     torch's flash kernel at 256 new tokens), else its T queries share one gather for SDPA."""
 
     def __init__(self, pool: KVPool, tables: list[list[int]], starts: list[int], lengths: list[int], device=None):

@@ -1818,8 +1818,8 @@ at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
 // D / 2, 16, 2]) and its values as one of D rows ([D / 16, C / 2, 16, 2]); a work item, the G query heads of one kv
 // head at kPrefillPositions positions, takes its scores as float32, their softmax in float32 (the weights rounded to
 // bf16 for the second product, as torch's flash kernel rounds them), and its output. An item reads only the keys
-// its last query sees. Zen 4, 2 threads, the zoo's heads, 256-1024 new tokens over 256-2048
-// of context: 2.3-3.1x torch's flash kernel on the gathered keys, 150-250 GFLOP/s (benchmarks/kernels.py --sections c).
+// its last query sees. Zen 4, 2 threads, the zoo's heads, 256-1024 new tokens over 256-2048 of context: 2.2-3.7x
+// torch's flash kernel on the gathered keys, 150-250 GFLOP/s (benchmarks/kernels.py --sections c).
 constexpr int64_t kPrefillPositions = 16;
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,

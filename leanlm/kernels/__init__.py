@@ -23,7 +23,7 @@ and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). 
     y = ops.bf16_gemm(x, w)  # x [M, K], w [N, K], both bf16 -> [M, N] bf16 (batched decode of 16-bit models)
     y = ops.bf16_packed_gemm(x, pack_bf16(w))  # the same product on w packed [N/16, K/2, 16, 2] (pack_bf16 below)
     o = ops.paged_attention(q, k, v, tables, lens, block_size[, k_scale, v_scale])  # decode attention, paged KV
-    o = ops.prefill_attention(q, k, v, slots)  # a prompt chunk's T queries against the C keys at slots, causally
+    o = ops.prefill_attention(q, k, v, slots[, k_scale, v_scale])  # a prompt chunk against its C keys, causally
     y = ops.hadamard_rotate(x, bt, scale)  # QuaRot's online rotation (lowbit/hadamard.py OnlineRotation) of rows x
 """
 

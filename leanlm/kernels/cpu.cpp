@@ -1211,6 +1211,17 @@ inline f32x16 exp16(f32x16 x) {
   return under ? f32x16{} : p * (f32x16)two_n;
 }
 
+inline float max_of(const float* s, int64_t width) {  // width a multiple of 16
+  f32x16 top = splat(-INFINITY);
+  for (int64_t c = 0; c < width; c += 16) {
+    const f32x16 x = load16(s + c);
+    top = top < x ? x : top;
+  }
+  float m = top[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, top[i]);
+  return m;
+}
+
 inline float sum16(f32x16 v) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
@@ -1417,13 +1428,7 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
   for (int64_t g = 0; g < heads * G; ++g) {  // softmax numerators in place; l divides at the end
     float* s = scores + g * width;
     for (int64_t t = n; t < width; ++t) s[t] = -INFINITY;  // exp16 makes these 0
-    f32x16 top = splat(-INFINITY);
-    for (int64_t c = 0; c < width; c += 16) {
-      const f32x16 x = load16(s + c);
-      top = top < x ? x : top;
-    }
-    float mg = top[0];
-    for (int i = 1; i < 16; ++i) mg = std::max(mg, top[i]);
+    const float mg = max_of(s, width);
     f32x16 total{};
     for (int64_t c = 0; c < width; c += 16) {
       const f32x16 e = exp16(load16(s + c) - mg);
@@ -1897,7 +1902,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       const int64_t tile = z % 2 ? tiles - 1 - z / 2 : z / 2;  // short and long items alternate: threads' shares even
       const int64_t i0 = tile * kPrefillPositions, R = std::min(kPrefillPositions, T - i0) * G;
       const int64_t width = (C - T + i0 + R / G + 15) / 16 * 16;  // the keys its last query sees, whole tiles
-      rows.resize(R * D), weights.resize(R * width), scores.resize(R * width), acc.resize(R * D);
+      rows.resize(R * D), weights.resize(R * width), scores.resize(R * width), acc.resize(R * D), total.resize(R);
       for (int64_t r = 0; r < R; ++r)  // row r: query head h G + r % G at position i0 + r / G
         std::memcpy(rows.data() + r * D, qp + ((i0 + r / G) * H + h * G + r % G) * D, D * sizeof(bf16));
       for (int64_t t = 0; t < width / 16; t += kPackTiles)
@@ -1905,17 +1910,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
           packed_rows(rows.data() + m0 * D, D, keys.data() + (h * Cp + t * 16) * D, 16 * D,
                       scores.data() + m0 * width + t * 16, width, std::min(kPackRows, R - m0),
                       std::min(kPackTiles, width / 16 - t));
-      total.resize(R);
       for (int64_t r = 0; r < R; ++r) {
         float* s = scores.data() + r * width;
         for (int64_t c = C - T + i0 + r / G + 1; c < width; ++c) s[c] = -INFINITY;  // past its position
-        f32x16 top = splat(-INFINITY), sum{};
-        for (int64_t c = 0; c < width; c += 16) {
-          const f32x16 x = load16(s + c);
-          top = top < x ? x : top;
-        }
-        float m = top[0];
-        for (int i = 1; i < 16; ++i) m = std::max(m, top[i]);
+        const float m = max_of(s, width);
+        f32x16 sum{};
         for (int64_t c = 0; c < width; c += 16) {
           const f32x16 p = round_bf16(exp16((load16(s + c) - m) * scale));
           store16(weights.data() + r * width + c, p);

@@ -28,6 +28,7 @@ from rich.table import Table
 from leanlm import kernels
 from leanlm.bench.probe import peaks
 from leanlm.cache.int4 import Int4KVPool
+from leanlm.cache.paged import put
 from leanlm.lowbit.hadamard import OnlineRotation
 from leanlm.lowbit.linear import pack_int4
 from leanlm.models.config import ModelConfig
@@ -166,7 +167,8 @@ def attention(ops, args) -> None:
     stream = x.numel() * 4 / seconds(torch.sum, [(x,)], reps=10) / 1e9
     table = Table(title=f"paged decode attention, {args.threads} threads, 30 layers' pools, bf16 queries: "
                         f"microseconds a layer (GB/s of keys and values read; a streaming read: {stream:.1f} GB/s)")
-    for col in ("shape", "leanlm, bf16 pool", "leanlm, int8 pool", "leanlm, int4 pool", "gather + SDPA, bf16"):
+    for col in ("shape", "leanlm, bf16 pool", "leanlm, bf16 pool, keys by block", "leanlm, int8 pool",
+                "leanlm, int4 pool", "gather + SDPA, bf16"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for name, H, Hkv, D, B, L in ATTENTION:
         bs, layers = 16, 30
@@ -177,6 +179,9 @@ def attention(ops, args) -> None:
         q = torch.randn(B, H, D, generator=g).bfloat16()
         pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(layers)]
         int8 = [[*quantize_per_token(k), *quantize_per_token(v)] for k, v in pools]
+        by_block = [torch.empty(blocks, Hkv, D // 2, bs, 2, dtype=torch.bfloat16) for _ in pools]  # cache.paged
+        for keys, (k, _) in zip(by_block, pools):
+            put(keys, torch.arange(blocks * bs), k)
         int4 = Int4KVPool(ModelConfig("llama", 8, H * D, 8, layers, H, Hkv, D, L), blocks, bs, torch.bfloat16,
                           open_blocks=B)
         every = torch.arange(blocks * bs)
@@ -190,6 +195,7 @@ def attention(ops, args) -> None:
             return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)
 
         runs = [(ops.paged_attention, [(q, k, v, tables, lens, bs) for k, v in pools], 2),
+                (ops.paged_attention, [(q, keys, v, tables, lens, bs) for keys, (_, v) in zip(by_block, pools)], 2),
                 (ops.paged_attention, [(q, kq, vq, tables, lens, bs, ks, vs) for kq, ks, vq, vs in int8], 1 + 4 / D),
                 (ops.paged_attention_int4, [(q, *int4._tensors(i), tables, lens, bs) for i in range(layers)],
                  Int4KVPool.bytes_per_block(int4_cfg(Hkv, D), bs) / (2 * bs * Hkv * D)),

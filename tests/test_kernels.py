@@ -475,6 +475,41 @@ def test_prefill_attention_equals_causal_attention_over_gathered_keys(ops, T, C,
         ops.prefill_attention(q, *pool[:2], slots + 1000, *pool[2:])
 
 
+@pytest.mark.parametrize("H, Hkv, D, bs, lens, threads", [(9, 3, 64, 16, [1, 16, 17, 40, 300], 2),
+                                                           (12, 2, 128, 32, [500], 4), (6, 1, 80, 16, [33, 7], 4)],
+                         ids=["groups-of-3", "groups-of-6-split-by-tokens", "odd-vectors"])
+def test_attention_reads_keys_by_block(ops, H, Hkv, D, bs, lens, threads):
+    """A bf16 pool's keys by block [blocks, Hkv, D / 2, bs, 2] (cache.paged.put): decode attention and prefill
+    attention against the definition over the same keys, with blocks scattered, runs of 16 tokens cut by the
+    sequence's end, a sequence split by tokens across threads and query groups of more than 4 heads."""
+    from leanlm.cache.paged import put
+
+    g = torch.Generator().manual_seed(D + bs)
+    B, width = len(lens), max(lens) // bs + 1
+    blocks = B * width + 3
+    k, v = (torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2))
+    keys = torch.full((blocks, Hkv, D // 2, bs, 2), float("nan"), dtype=torch.bfloat16)  # unwritten: NaN
+    put(keys, torch.arange(blocks * bs), k)
+    tables = torch.randperm(blocks, generator=g)[: B * width].view(B, width).int()
+    q = torch.randn(B, H, D, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = ops.paged_attention(q, keys, v, tables, torch.tensor(lens, dtype=torch.int32), bs)
+        slots = [(tables[b].long()[:, None] * bs + torch.arange(bs)).flatten()[:n] for b, n in enumerate(lens)]
+        prefill = ops.prefill_attention(q[0][None].expand(lens[0], H, D).contiguous(), keys, v, slots[0])
+    finally:
+        torch.set_num_threads(before)
+    for b in range(B):
+        kb, vb = (x[slots[b]].float().repeat_interleave(H // Hkv, 1) for x in (k, v))
+        probs = torch.einsum("hd,shd->hs", q[b].float(), kb).div(D**0.5).softmax(-1)
+        assert (out[b].float() - torch.einsum("hs,shd->hd", probs, vb)).abs().max() < 2e-2
+        if b == 0:  # the chunk's last query (position lens[0] - 1) sees every key, as the decode query
+            assert (prefill[-1].float() - out[0].float()).abs().max() < 2e-2
+    with pytest.raises(RuntimeError, match="keys by block"):
+        ops.paged_attention(q, keys[:, :, :, : bs // 2].contiguous(), v, tables, torch.tensor(lens, dtype=torch.int32), bs)
+
+
 @pytest.mark.parametrize("n", [1536, 4864, 48, 64])  # 12 x 128, 152 x 32, 12 x 4 (no 16-float vectors), 1 x 64
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hadamard_rotate_is_the_dense_rotation(ops, n, dtype):

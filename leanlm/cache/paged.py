@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from leanlm import kernels
 from leanlm.cache.int8 import dequantize_per_token, int8_bytes_per_head, quantize_per_token
 from leanlm.errors import LeanLMError
 from leanlm.models.config import ModelConfig
@@ -31,9 +32,40 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
+def keys_by_block(dtype: torch.dtype, device, block_size: int) -> bool:
+    """Whether a pool of these entries keeps its keys by block (KVPool): bf16 on a CPU whose kernels have bf16 dot
+    products, blocks a multiple of 16 tokens. Their decode and prefill attention read them in place; elsewhere a
+    gather by block would cost more than the layout saves."""
+    if dtype != torch.bfloat16 or torch.device(device or "cpu").type != "cpu" or block_size % 16:
+        return False
+    ops = kernels.ops()
+    return ops is not None and ops.bf16_isa() == "avx512bf16"
+
+
+def put(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """store[slots] = x  # x [N, Hkv, D]; store [slots, Hkv, D], or keys by block [blocks, Hkv, D / 2, bs, 2]"""
+    if store.dim() == 3:
+        store.index_copy_(0, slots, x)
+    else:
+        kernels.ops().put_keys(store, slots, x)
+
+
+def take(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """store[slots], as put writes them  # slots [...] -> [..., Hkv, D]"""
+    if store.dim() == 3:
+        return store[slots]
+    bs = store.shape[3]
+    return store.permute(0, 3, 1, 2, 4)[slots // bs, slots % bs].flatten(-2)
+
+
 class KVPool:
     """Every layer's keys and values, slot by slot: k[layer] [num_blocks * block_size, Hkv, D]. With int8=True the
-    entries are int8 codes with a float32 scale per (slot, head) (cache.int8): about half the bytes."""
+    entries are int8 codes with a float32 scale per (slot, head) (cache.int8): about half the bytes.
+
+    A CPU pool of bf16 entries keeps its keys by block instead (keys_by_block), k[layer] [num_blocks, Hkv, D / 2,
+    block_size, 2]: the channel pair p of 16 tokens of a kv head side by side, so that the paged-attention kernel's
+    scores are products of whole vectors with a query's pair (kernels: BlockedKeys), with no sums across lanes. `put`
+    and `take` write and read either layout by slot."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device=None,
                  int8: bool = False):
@@ -45,7 +77,9 @@ class KVPool:
         # attention reads only slots that were written (paged_attention.PagedStep)
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         store = torch.int8 if int8 else dtype
-        self.k = [torch.empty(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
+        blocked = not int8 and keys_by_block(dtype, device, block_size)
+        keys = (num_blocks, cfg.num_kv_heads, cfg.head_dim // 2, block_size, 2) if blocked else shape
+        self.k = [torch.empty(keys, dtype=store, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.empty(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
         scale = (shape[0], shape[1], 1)
         self.k_scale = [torch.empty(scale, device=device) for _ in range(cfg.num_layers)] if int8 else None
@@ -76,7 +110,7 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' keys and values  # slots [N]; k, v [N, Hkv, D]"""
         if not self.int8:
-            self.k[layer].index_copy_(0, slots, k)
+            put(self.k[layer], slots, k)
             self.v[layer].index_copy_(0, slots, v)
             return
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
@@ -87,7 +121,7 @@ class KVPool:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at these slots, in the model dtype  # slots [...] -> [..., Hkv, D]"""
         if not self.int8:
-            return self.k[layer][slots], self.v[layer][slots]
+            return take(self.k[layer], slots), self.v[layer][slots]
         return (dequantize_per_token(self.k[layer][slots], self.k_scale[layer][slots], self.dtype),
                 dequantize_per_token(self.v[layer][slots], self.v_scale[layer][slots], self.dtype))
 
@@ -101,12 +135,16 @@ class KVPool:
         """Copy block src to block dst in every layer (a forked sequence's partial last block)."""
         if not pairs:
             return
-        bs = self.block_size
-        src = torch.tensor([s * bs + i for s, _ in pairs for i in range(bs)], device=self.k[0].device)
-        dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=self.k[0].device)
+        bs, device = self.block_size, self.v[0].device
+        src = torch.tensor([s * bs + i for s, _ in pairs for i in range(bs)], device=device)
+        dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=device)
+        src_blocks, dst_blocks = (torch.tensor(list(b), device=device) for b in zip(*pairs))
         for store in (self.k, self.v, self.k_scale or [], self.v_scale or []):
             for t in store:
-                t[dst] = t[src]
+                if t.dim() == 5:  # keys by block
+                    t[dst_blocks] = t[src_blocks]
+                else:
+                    t[dst] = t[src]
 
 
 # The parent key of a sequence's first block.

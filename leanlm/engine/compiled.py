@@ -11,7 +11,7 @@ import time
 import torch
 
 from leanlm import kernels
-from leanlm.cache.paged import KVPool, cdiv, slot_of
+from leanlm.cache.paged import KVPool, cdiv, put, slot_of
 from leanlm.cache.paged_attention import paged_kernel
 from leanlm.generation.compiled import StepCompiler
 
@@ -33,7 +33,7 @@ class _SlotWrites:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                is_causal: bool) -> torch.Tensor:
         """q [1, B, H, D]; k, v [1, B, Hkv, D] -> [1, B, H, D]: one token per sequence"""
-        self.k[layer].index_copy_(0, self.slots, k[0])
+        put(self.k[layer], self.slots, k[0])
         self.v[layer].index_copy_(0, self.slots, v[0])
         return kernels.ops().paged_attention(q[0].contiguous(), self.k[layer], self.v[layer], self.tables, self.lens,
                                              self.block_size)[None]

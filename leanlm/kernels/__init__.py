@@ -24,6 +24,7 @@ and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). 
     y = ops.bf16_packed_gemm(x, pack_bf16(w))  # the same product on w packed [N/16, K/2, 16, 2] (pack_bf16 below)
     o = ops.paged_attention(q, k, v, tables, lens, block_size[, k_scale, v_scale])  # decode attention, paged KV
     o = ops.prefill_attention(q, k, v, slots[, k_scale, v_scale])  # a prompt chunk against its C keys, causally
+    ops.put_keys(k, slots, x)  # new keys into a bf16 pool kept by block (cache.paged), k [blocks, Hkv, D/2, bs, 2]
     y = ops.hadamard_rotate(x, bt, scale)  # QuaRot's online rotation (lowbit/hadamard.py OnlineRotation) of rows x
 """
 
@@ -383,3 +384,4 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::paged_attention", lambda q, *_: torch.empty_like(q))
     torch.library.register_fake(f"{name}::prefill_attention", lambda q, *_: torch.empty_like(q))
     torch.library.register_fake(f"{name}::hadamard_rotate", lambda x, *_: torch.empty_like(x))
+    torch.library.register_fake(f"{name}::put_keys", lambda store, slots, x: None)

@@ -1278,12 +1278,43 @@ template <int VT>
 inline f32x16 bf16_scores16(const bf16*, const bf16* const*, int64_t, int64_t) { return f32x16{}; }
 #endif
 
+// acc + (a's bf16 pairs . b's pair x, lane by lane): vdpbf16ps where the CPU has it, else both halves widened
+inline f32x16 pair_dot(f32x16 acc, u32x16 a, uint32_t x) {
+#if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
+  return (f32x16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)(__m512i)a, (__m512bh)_mm512_set1_epi32(int(x)));
+#else
+  const u32x16 lo = a << 16, hi = a & 0xffff0000u;
+  const uint32_t xl = x << 16, xh = x & 0xffff0000u;
+  float fl, fh;
+  std::memcpy(&fl, &xl, 4);
+  std::memcpy(&fh, &xh, 4);
+  return acc + (f32x16)lo * fl + (f32x16)hi * fh;
+#endif
+}
+
+// Scores of one run of blocked keys (BlockedKeys) against N query heads q [N, D] bf16, times scale, into s (rows
+// `width` apart): two accumulators a head, so 2N chains of products are in flight.
+template <int N>
+inline void blocked_scores(const bf16* q, int64_t D, const bf16* run, int64_t stride, float scale, float* s,
+                           int64_t width) {
+  f32x16 a[N][2] = {};
+  const uint32_t* qw = (const uint32_t*)q;  // a query's channel pair p is word p
+  for (int64_t p = 0; p < D / 2; p += 2)
+    for (int j = 0; j < 2; ++j) {
+      u32x16 kv;
+      std::memcpy(&kv, run + (p + j) * stride, sizeof kv);
+      for (int g = 0; g < N; ++g) a[g][j] = pair_dot(a[g][j], kv, qw[g * D / 2 + p + j]);
+    }
+  for (int g = 0; g < N; ++g) store16(s + g * width, (a[g][0] + a[g][1]) * scale);
+}
+
 // Where attention reads a token's key or value row of one kv head, as 16-float vectors (load32's order with
 // pairs, for the value pass). PoolRows: the pool's entries [slots, Hkv, D] of S (float, bf16, or int8 codes times a
 // float scale per (slot, kv head)).
 template <typename S>
 struct PoolRows {
   static constexpr bool kBf16 = std::is_same_v<S, bf16>;  // rows vdpbf16ps can read in place
+  static constexpr bool kBlocked = false;
   const S* base;
   const float* scales;  // int8: [slots, Hkv]; else null
   int64_t Hkv, D;
@@ -1299,6 +1330,25 @@ struct PoolRows {
     for (; j < V; ++j) r[j] = load16(p + j * 16);
     if (scales)
       for (j = 0; j < V; ++j) r[j] *= scales[slot * Hkv + h];
+  }
+};
+
+// The keys of a bf16 pool stored by block, [blocks, Hkv, D / 2, bs, 2] (cache.paged): a run of 16 tokens of one kv
+// head holds, in vector p (64 bytes), the 16 tokens' channels 2p and 2p + 1, so their 16 scores against a query are
+// D / 2 pair products with the query's pair p broadcast, in lanes: no transposing sums (sum16x16), and a run of
+// D / 2 vectors is one contiguous read when bs is 16. bs a multiple of 16; runs start at multiples of 16. Zen 4, 2
+// threads (benchmarks/kernels.py --sections a): 1.2-1.3x the rows' layout from L3, 1.08-1.16x from memory, where
+// attention is bound by its reads (13-14 GB/s: blocks of 16-128 tokens alike).
+struct BlockedKeys {
+  static constexpr bool kBlocked = true;
+  const bf16* base;
+  int64_t Hkv, D, bs;
+  const bf16* run(int64_t block, int64_t offset, int64_t h) const {
+    return base + (block * Hkv + h) * D * bs + 2 * offset;
+  }
+  int64_t stride() const { return 2 * bs; }  // elements from a run's vector p to vector p + 1
+  void prefetch(int64_t block, int64_t offset, int64_t h) const {
+    for (int64_t p = 0; p < D / 2; ++p) __builtin_prefetch(run(block, offset, h) + p * stride());
   }
 };
 
@@ -1329,7 +1379,7 @@ inline f32x16 nibbles16(const uint8_t* c) {  // 8 bytes of 4-bit codes (channel 
 // a block still filling read exact from `side` [entries * bs, Hkv, D] where entry_of[block] names one.
 template <typename T>
 struct Int4Rows {
-  static constexpr bool kBf16 = false;
+  static constexpr bool kBf16 = false, kBlocked = false;
   const uint8_t* codes;
   const uint16_t *scale, *low;
   const T *side, *sink;
@@ -1403,26 +1453,42 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
   };
   for (int64_t c = 0; c < n; c += 16)
     for (int64_t h = 0; h < heads; ++h) {
-      if (h == 0) find_slots(c);
-      if constexpr (kBf16Dot && K::kBf16) {
-        if (V % 2 == 0) {
-          const int64_t count = std::min<int64_t>(16, n - c);
-          const bf16* row_of[16];
-          for (int64_t t = 0; t < next_count; ++t) keys.prefetch(next_of[t], h0 + h);
-          for (int64_t t = 0; t < count; ++t) row_of[t] = keys.row(slot_of[t], h0 + h);
-          for (int64_t g = h * G; g < (h + 1) * G; ++g)
-            store16(scores + g * width + c, bf16_scores16<VT>(q + (h0 * G + g) * D, row_of, count, D) * scale);
-          continue;
+      if constexpr (K::kBlocked) {  // t0 and c are multiples of 16: the 16 tokens are one run of a block
+        static_assert(std::is_same_v<T, bf16>);
+        if (c + 32 < n) keys.prefetch(table[(t0 + c + 32) / bs], (t0 + c + 32) % bs, h0 + h);
+        const bf16* run = keys.run(table[(t0 + c) / bs], (t0 + c) % bs, h0 + h);
+        for (int64_t g = h * G; g < (h + 1) * G; g += 4) {
+          const bf16* qg = q + (h0 * G + g) * D;
+          float* s = scores + g * width + c;
+          switch (std::min<int64_t>(4, (h + 1) * G - g)) {
+            case 4: blocked_scores<4>(qg, D, run, keys.stride(), scale, s, width); break;
+            case 3: blocked_scores<3>(qg, D, run, keys.stride(), scale, s, width); break;
+            case 2: blocked_scores<2>(qg, D, run, keys.stride(), scale, s, width); break;
+            default: blocked_scores<1>(qg, D, run, keys.stride(), scale, s, width);
+          }
         }
-      }
-      read_rows(keys, c, h, false);
-      for (int64_t g = h * G; g < (h + 1) * G; ++g) {
-        f32x16 a[16];
-        for (int t = 0; t < 16; ++t) {
-          a[t] = qv[g * V] * rows[t * V];
-          for (int64_t j = 1; j < V; ++j) a[t] += qv[g * V + j] * rows[t * V + j];
+      } else {
+        if (h == 0) find_slots(c);
+        if constexpr (kBf16Dot && K::kBf16) {
+          if (V % 2 == 0) {
+            const int64_t count = std::min<int64_t>(16, n - c);
+            const bf16* row_of[16];
+            for (int64_t t = 0; t < next_count; ++t) keys.prefetch(next_of[t], h0 + h);
+            for (int64_t t = 0; t < count; ++t) row_of[t] = keys.row(slot_of[t], h0 + h);
+            for (int64_t g = h * G; g < (h + 1) * G; ++g)
+              store16(scores + g * width + c, bf16_scores16<VT>(q + (h0 * G + g) * D, row_of, count, D) * scale);
+            continue;
+          }
         }
-        store16(scores + g * width + c, sum16x16(a));
+        read_rows(keys, c, h, false);
+        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+          f32x16 a[16];
+          for (int t = 0; t < 16; ++t) {
+            a[t] = qv[g * V] * rows[t * V];
+            for (int64_t j = 1; j < V; ++j) a[t] += qv[g * V + j] * rows[t * V + j];
+          }
+          store16(scores + g * width + c, sum16x16(a));
+        }
       }
     }
   for (int64_t g = 0; g < heads * G; ++g) {  // softmax numerators in place; l divides at the end
@@ -1467,7 +1533,7 @@ void paged_attention_impl(const T* q, const K& keys, const Vs& values, const int
   const int64_t longest = *std::max_element(lens, lens + B);
   const int64_t parts = std::clamp<int64_t>(std::min((2 * threads + B * split - 1) / (B * split),
                                                      (longest + kMinPart - 1) / kMinPart), 1, kMaxParts);
-  const int64_t part = (longest + parts - 1) / parts;
+  const int64_t part = ((longest + parts - 1) / parts + 15) / 16 * 16;  // runs of 16 tokens stay whole
   std::vector<float> m(B * parts * H), l(B * parts * H), acc(B * parts * H * D);  // [B, parts, H(, D)]
   at::parallel_for(0, B * split * parts, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
@@ -1527,9 +1593,18 @@ void check_tables(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                            const at::Tensor& lens, int64_t block_size, const std::optional<at::Tensor>& k_scale,
                            const std::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
-                  q.size(1) % k.size(1) == 0,
-              "paged_attention wants q [B, H, D] and k, v [slots, Hkv, D] with H a multiple of Hkv");
+  TORCH_CHECK(q.dim() == 3 && v.dim() == 3 && q.size(2) == v.size(2) && q.size(1) % v.size(1) == 0,
+              "paged_attention wants q [B, H, D] and v [slots, Hkv, D] with H a multiple of Hkv");
+  const bool blocked = k.dim() == 5;  // a bf16 pool's keys by block (BlockedKeys)
+  if (blocked) {
+    TORCH_CHECK(k.size(0) * k.size(3) == v.size(0) && k.size(1) == v.size(1) && 2 * k.size(2) == v.size(2) &&
+                    k.size(3) == block_size && block_size % 16 == 0 && k.size(4) == 2 &&
+                    q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16,
+                "paged_attention: keys by block are bf16 [blocks, Hkv, D / 2, block_size, 2], block_size a multiple "
+                "of 16, beside values [blocks * block_size, Hkv, D] and bf16 q; got k ", k.sizes(), " v ", v.sizes());
+  } else {
+    TORCH_CHECK(k.sizes() == v.sizes(), "paged_attention wants k, v [slots, Hkv, D] alike (or keys by block)");
+  }
   const bool int8 = k.scalar_type() == at::kChar;
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                   (int8 || k.scalar_type() == q.scalar_type()) && v.scalar_type() == k.scalar_type(),
@@ -1538,17 +1613,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "v_scale (float32 [slots, Hkv, 1]), and only they do");
   if (int8)
     TORCH_CHECK(k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
-                    k_scale->numel() == k.size(0) * k.size(1) && v_scale->numel() == k_scale->numel() &&
+                    k_scale->numel() == v.size(0) * v.size(1) && v_scale->numel() == k_scale->numel() &&
                     k_scale->is_contiguous() && v_scale->is_contiguous(),
                 "paged_attention wants contiguous float32 scales [slots, Hkv, 1]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "paged_attention wants contiguous q, k, v");
-  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(1) * q.size(2) / 16 <= kMaxVectors && k.size(2) / 16 <= kMaxRow,
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(1) * q.size(2) / 16 <= kMaxVectors && v.size(2) / 16 <= kMaxRow,
               "paged_attention wants head_dim a multiple of 16 up to 256 and heads x head_dim <= 4096");
   check_tables(q, tables, lens, block_size);
   const int32_t* lp = lens.data_ptr<int32_t>();
   at::Tensor out = at::empty_like(q);
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2), W = tables.size(1);
+  const int64_t B = q.size(0), H = q.size(1), Hkv = v.size(1), D = q.size(2), W = tables.size(1);
   const int32_t* tp = tables.data_ptr<int32_t>();
+  if (blocked) {
+    attend_all(q.data_ptr<bf16>(), BlockedKeys{k.data_ptr<bf16>(), Hkv, D, block_size},
+               PoolRows<bf16>{v.data_ptr<bf16>(), nullptr, Hkv, D}, tp, lp, out, B, H, Hkv, D, W, block_size);
+    return out;
+  }
   const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
   auto run = [&](auto* qp, auto* kp, auto* vp) {  // out has q's dtype
@@ -1816,6 +1896,31 @@ at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// New keys x [N, Hkv, D] into a bf16 pool kept by block, store [blocks, Hkv, D / 2, bs, 2] (BlockedKeys), at slots
+// [N]: as 32-bit words, token n's channel pair p of kv head h goes to ((slot / bs Hkv + h) D / 2 + p) bs + slot % bs.
+void put_keys(at::Tensor store, const at::Tensor& slots, const at::Tensor& x) {
+  TORCH_CHECK(store.dim() == 5 && store.scalar_type() == at::kBFloat16 && store.is_contiguous() && store.size(4) == 2 &&
+                  x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.size(1) == store.size(1) &&
+                  x.size(2) == 2 * store.size(2) && slots.dim() == 1 && slots.scalar_type() == at::kLong &&
+                  slots.size(0) == x.size(0) && store.device().is_cpu() && x.device().is_cpu(),
+              "put_keys wants bf16 store [blocks, Hkv, D / 2, bs, 2], int64 slots [N] and bf16 x [N, Hkv, D]; got ",
+              store.sizes(), " ", slots.sizes(), " ", x.sizes());
+  const at::Tensor xc = x.contiguous(), sc = slots.contiguous();
+  const int64_t N = xc.size(0), Hkv = xc.size(1), P = store.size(2), bs = store.size(3);
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(sp[n] >= 0 && sp[n] < store.size(0) * bs, "put_keys: slot ", sp[n], " is not in the pool");
+  const uint32_t* xp = (const uint32_t*)xc.data_ptr();
+  uint32_t* out = (uint32_t*)store.data_ptr();
+  at::parallel_for(0, N * Hkv, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t slot = sp[i / Hkv], h = i % Hkv;
+      uint32_t* to = out + (slot / bs * Hkv + h) * P * bs + slot % bs;
+      for (int64_t p = 0; p < P; ++p) to[p * bs] = xp[i * P + p];
+    }
+  });
+}
+
 // Prefill attention over a bf16 or int8 pool: a prompt chunk's T queries q [T, H, D] at positions C - T .. C - 1
 // against the C keys and values at pool `slots` (its context: the earlier chunks' tokens, then its own), causally;
 // out [T, H, D] bf16. An int8 pool's rows are read as codes times their scale, rounded to bf16 (cache.int8). Both
@@ -1829,28 +1934,32 @@ constexpr int64_t kPrefillPositions = 16;
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  const bool int8 = k.scalar_type() == at::kChar;
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
-                  q.size(1) % k.size(1) == 0 && q.size(2) % 16 == 0 && q.size(2) <= 16 * kMaxRow &&
-                  q.scalar_type() == at::kBFloat16 && (int8 || k.scalar_type() == at::kBFloat16) &&
-                  v.scalar_type() == k.scalar_type() && k.is_contiguous() && v.is_contiguous() && q.device().is_cpu() &&
-                  k.device().is_cpu() && v.device().is_cpu(),
-              "prefill_attention wants bf16 q [T, H, D] and contiguous k, v [slots, Hkv, D] (bf16, or int8 codes), H a "
-              "multiple of Hkv and D of 16 up to 256; got ", q.sizes(), " ", k.sizes(), " ", k.scalar_type());
+  const bool int8 = k.scalar_type() == at::kChar, blocked = k.dim() == 5;  // blocked: bf16 keys by block
+  const bool keys_fit = blocked ? k.size(0) * k.size(3) == v.size(0) && k.size(1) == v.size(1) &&
+                                      2 * k.size(2) == v.size(2) && k.size(3) % 16 == 0 && k.size(4) == 2
+                                : k.sizes() == v.sizes();
+  TORCH_CHECK(q.dim() == 3 && v.dim() == 3 && keys_fit && q.size(2) == v.size(2) && q.size(1) % v.size(1) == 0 &&
+                  q.size(2) % 16 == 0 && q.size(2) <= 16 * kMaxRow && q.scalar_type() == at::kBFloat16 &&
+                  (int8 || k.scalar_type() == at::kBFloat16) && v.scalar_type() == k.scalar_type() &&
+                  k.is_contiguous() && v.is_contiguous() && q.device().is_cpu() && k.device().is_cpu() &&
+                  v.device().is_cpu(),
+              "prefill_attention wants bf16 q [T, H, D] and contiguous k, v [slots, Hkv, D] (bf16, or int8 codes; or "
+              "bf16 keys by block [blocks, Hkv, D / 2, block_size, 2]), H a multiple of Hkv and D of 16 up to 256; "
+              "got ", q.sizes(), " ", k.sizes(), " ", v.sizes(), " ", k.scalar_type());
   for (const auto* scale : {&k_scale, &v_scale}) {
     const bool fits = !int8 || ((*scale)->scalar_type() == at::kFloat && (*scale)->is_contiguous() &&
-                                (*scale)->numel() == k.size(0) * k.size(1));
+                                (*scale)->numel() == v.size(0) * v.size(1));
     TORCH_CHECK(int8 == scale->has_value() && fits,
                 "prefill_attention: int8 k, v need contiguous float32 k_scale and v_scale [slots, Hkv, 1], bf16 none");
   }
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) >= q.size(0),
               "prefill_attention wants int64 slots [C] with C >= T");
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous();
-  const int64_t T = qc.size(0), H = qc.size(1), D = qc.size(2), Hkv = k.size(1), G = H / Hkv, C = sc.size(0);
+  const int64_t T = qc.size(0), H = qc.size(1), D = qc.size(2), Hkv = v.size(1), G = H / Hkv, C = sc.size(0);
   const int64_t Cp = (C + 15) / 16 * 16;  // keys padded to whole tiles, with zeros
   const int64_t* sp = sc.data_ptr<int64_t>();
   for (int64_t i = 0; i < C; ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "prefill_attention: slot ", sp[i], " is not in the pool");
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < v.size(0), "prefill_attention: slot ", sp[i], " is not in the pool");
   const bf16* qp = qc.data_ptr<bf16>();
   const float *ks = int8 ? k_scale->data_ptr<float>() : nullptr, *vs = int8 ? v_scale->data_ptr<float>() : nullptr;
   // entry e = slot Hkv + kv head of a pool as bf16: in place, or an int8 row's codes times its scale in `buf`, as
@@ -1873,9 +1982,15 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       for (int64_t i = 0; i < 16; ++i) {
         const bool real = c0 + i < C;
         const int64_t e = sp[real ? c0 + i : 0] * Hkv + h;
-        const bf16 *krow = row(k.data_ptr(), ks, e, kbuf), *vrow = row(v.data_ptr(), vs, e, vbuf);
-        for (int64_t dp = 0; dp < D / 2; ++dp)
-          std::memcpy(kt + dp * 16 + i, real ? (const void*)(krow + 2 * dp) : &zero, 4);
+        const bf16 *krow = blocked ? nullptr : row(k.data_ptr(), ks, e, kbuf), *vrow = row(v.data_ptr(), vs, e, vbuf);
+        if (blocked) {  // as uint32 [blocks, Hkv, D / 2, bs]: the key's pair dp is word dp * bs from its first
+          const int64_t bs = k.size(3), slot = sp[real ? c0 + i : 0];
+          const uint32_t* pair = (const uint32_t*)k.data_ptr() + (slot / bs * Hkv + h) * D / 2 * bs + slot % bs;
+          for (int64_t dp = 0; dp < D / 2; ++dp) kt[dp * 16 + i] = real ? pair[dp * bs] : 0;
+        } else {
+          for (int64_t dp = 0; dp < D / 2; ++dp)
+            std::memcpy(kt + dp * 16 + i, real ? (const void*)(krow + 2 * dp) : &zero, 4);
+        }
         for (int64_t j = 0; j < D / 16; ++j)
           if (real)
             std::memcpy(&kv[i % 2][j], vrow + j * 16, 32);
@@ -2032,6 +2147,7 @@ TORCH_LIBRARY(LEANLM_NS, m) {
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor? k_scale=None, Tensor? v_scale=None) "
         "-> Tensor");
+  m.def("put_keys(Tensor(a!) store, Tensor slots, Tensor x) -> ()");
   m.def("hadamard_rotate(Tensor x, Tensor bt, Tensor scale) -> Tensor");
   m.def("quantize_int4(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("read_int4(Tensor k, Tensor v, Tensor k_scale, Tensor k_min, Tensor v_scale, Tensor v_min, Tensor side, "
@@ -2060,6 +2176,7 @@ TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("paged_attention_int4", paged_attention_int4);
   m.impl("prefill_attention", prefill_attention);
+  m.impl("put_keys", put_keys);
   m.impl("hadamard_rotate", hadamard_rotate);
   m.impl("quantize_int4", quantize_int4);
   m.impl("read_int4", read_int4);

@@ -386,13 +386,13 @@ def test_kernels_run_inside_a_compiled_graph():
 @pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
                                         (torch.bfloat16, True)])
 @pytest.mark.parametrize("D, lens, threads", [(64, [1, 4, 5, 17, 33], 2), (128, [300], 2), (80, [150, 7], 4),
-                                              (32, [40, 2, 90], 2)],
+                                              (32, [40, 2, 60], 2)],
                          ids=["five-sequences", "one-long", "odd-vectors-empty-part", "split-by-head"])
 def test_paged_attention_equals_attention_over_gathered_keys(ops, dtype, int8, D, lens, threads):
     """Each sequence's query against the keys and values its block table names, by the definition (an int8 pool:
-    codes times their scale per slot and kv head). Few sequences are split by kv head and by tokens across threads
-    (merged by log-sum-exp; with 4 threads the 7-token sequence's second part is empty); head sizes of 4, 8, 5 and
-    2 vectors of 16."""
+    codes times their scale per slot and kv head). Few sequences are split across threads by tokens (one-long), or
+    by kv head and tokens when too short (merged by log-sum-exp; with 4 threads the 7-token sequence's second part
+    is empty); head sizes of 4, 8, 5 and 2 vectors of 16."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -5,7 +5,6 @@ in the MLP) and the int4 KV cache (cache.int4)."""
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch import nn
@@ -72,16 +71,22 @@ def rotation(n: int, seed: int = 0) -> torch.Tensor:
     return H * _signs(n, g) / n ** 0.5
 
 
-@functools.lru_cache(maxsize=None)
+_FACTORS: dict[tuple, tuple] = {}  # (n, seed, device) -> OnlineRotation's matrices, shared by its layers
+
+
 def _online_factors(n: int, seed: int, device: torch.device) -> tuple:
     """OnlineRotation's (left, right, scale) on `device`: (B^T, H_p, signs / sqrt(n)), or (the dense rotation, None,
-    None) where no Hadamard matrix of order n is known here"""
-    base = _base(n)
-    if base is None:
-        made = rotation(n, seed), None, None
-    else:
-        made = base[0].T, _sylvester(base[1]), _signs(n, torch.Generator().manual_seed(seed)) / n ** 0.5
-    return tuple(None if t is None else t.float().contiguous().to(device) for t in made)
+    None) where no Hadamard matrix of order n is known here. Made once (a plain dict: torch.compile traces a lookup
+    in it, where it cannot make them, with a seeded generator, nor trace through lru_cache)."""
+    key = (n, seed, device)
+    if key not in _FACTORS:
+        base = _base(n)
+        if base is None:
+            made = rotation(n, seed), None, None
+        else:
+            made = base[0].T, _sylvester(base[1]), _signs(n, torch.Generator().manual_seed(seed)) / n ** 0.5
+        _FACTORS[key] = tuple(None if t is None else t.float().contiguous().to(device) for t in made)
+    return _FACTORS[key]
 
 
 class OnlineRotation(nn.Module):
@@ -96,15 +101,11 @@ class OnlineRotation(nn.Module):
     def __init__(self, n: int, seed: int):
         super().__init__()
         self.n, self.seed = n, seed
-        self._made: dict[torch.device, tuple] = {}
 
     def factors(self, device: torch.device) -> tuple:
-        """(B^T, H_p, signs / sqrt(n)) on `device`, or (the dense rotation, None, None). torch.compile cannot make
-        them (a seeded generator) and traces through lru_cache: a compiled step finds them here, made before it
-        (generation.compiled.StepCompiler makes every rotation's)."""
-        if device not in self._made:
-            self._made[device] = _online_factors(self.n, self.seed, device)
-        return self._made[device]
+        """(B^T, H_p, signs / sqrt(n)) on `device`, or (the dense rotation, None, None). A compiled step finds
+        them made before it (generation.compiled.StepCompiler makes every rotation's)."""
+        return _online_factors(self.n, self.seed, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         left, right, scale = self.factors(x.device)

@@ -1130,9 +1130,10 @@ at::Tensor int4_q8_gemm(const at::Tensor& xq, const at::Tensor& xs, const at::Te
 // A work item is (sequence, kv heads, part of its tokens): its G query heads share each key and value row it reads.
 // Keys are read 16 tokens at a time: a token's dot product with a query head is 16 lanes of partial sums, and one
 // transposing reduction (sum16x16: 45 shuffles and adds) turns 16 of them into a vector of 16 scores, where a
-// horizontal sum per token cost ~8 dependent operations. The softmax exponentials are vector too (exp16). When
-// sequences are too few to keep every thread busy, a sequence's kv heads, then its tokens, are split across
-// threads; each part of the tokens keeps its own max, sum and weighted values, merged by log-sum-exp at the end.
+// horizontal sum per token cost ~8 dependent operations; keys stored by block (BlockedKeys) need no reduction. The
+// softmax exponentials are vector too (exp16). When sequences are too few to keep every thread busy, a sequence's
+// tokens (or kv heads, when too short) are split across threads; each part of the tokens keeps its own max, sum and
+// weighted values, merged by log-sum-exp at the end.
 // Rows are 16-float vectors (GCC vector extensions: AVX-512 here, pairs of AVX2 ops or plain code elsewhere).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -1921,15 +1922,16 @@ void put_keys(at::Tensor store, const at::Tensor& slots, const at::Tensor& x) {
   });
 }
 
-// Prefill attention over a bf16 or int8 pool: a prompt chunk's T queries q [T, H, D] at positions C - T .. C - 1
-// against the C keys and values at pool `slots` (its context: the earlier chunks' tokens, then its own), causally;
-// out [T, H, D] bf16. An int8 pool's rows are read as codes times their scale, rounded to bf16 (cache.int8). Both
-// halves are packed products (packed_rows): each kv head's keys are packed once as a weight of C rows ([C / 16,
-// D / 2, 16, 2]) and its values as one of D rows ([D / 16, C / 2, 16, 2]); a work item, the G query heads of one kv
-// head at kPrefillPositions positions, takes its scores as float32, their softmax in float32 (the weights rounded to
-// bf16 for the second product, as torch's flash kernel rounds them), and its output. An item reads only the keys
-// its last query sees. Zen 4, 2 threads, the zoo's heads, 256-1024 new tokens over 256-2048 of context: 2.2-3.7x
-// torch's flash kernel on the gathered keys, 150-250 GFLOP/s (benchmarks/kernels.py --sections c).
+// Prefill attention over a bf16 or int8 pool (bf16 keys by block too): a prompt chunk's T queries q [T, H, D] at
+// positions C - T .. C - 1 against the C keys and values at pool `slots` (its context: the earlier chunks' tokens,
+// then its own), causally; out [T, H, D] bf16. An int8 pool's rows are read as codes times their scale, rounded to
+// bf16 (cache.int8). Both halves are packed products (packed_rows): each kv head's keys are packed once as a weight
+// of C rows ([C / 16, D / 2, 16, 2]) and its values as one of D rows ([D / 16, C / 2, 16, 2]); a work item, the G
+// query heads of one kv head at kPrefillPositions positions, takes its scores as float32, their softmax in float32
+// (the weights rounded to bf16 for the second product, as torch's flash kernel rounds them), and its output. An
+// item reads only the keys its last query sees. Zen 4, 2 threads, the zoo's heads, 256-1024 new tokens over
+// 256-2048 of context: 2.2-3.7x torch's flash kernel on the gathered keys, 150-250 GFLOP/s (benchmarks/kernels.py
+// --sections c).
 constexpr int64_t kPrefillPositions = 16;
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,

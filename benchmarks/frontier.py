@@ -1,7 +1,8 @@
 """The compression frontier at 4 bits: every leanlm int4 method next to the peers' on the same windows and text.
 
     python benchmarks/frontier.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--samples 128] [--seq-len 512]
-                                  [--iters 50] [--max-tokens 16384] [--no-peer] [--grids both|asymmetric|symmetric]
+                                  [--iters 50] [--max-tokens 16384] [--no-peer | --peers auto-round,hqq,...]
+                                  [--grids both|asymmetric|symmetric]
 
 Calibration: --samples windows of --seq-len tokens of the built-in calibration split (seed 0, the windows
 `leanlm quantize` takes), written once to a safetensors file that leanlm and the peers read. Evaluation: leanlm's
@@ -148,7 +149,8 @@ def table(model: str, args) -> Table:
     runs = [("leanlm", label, bool(opts.get("symmetric")), *f.leanlm(method, opts)) for label, method, opts in LEANLM
             if bool(opts.get("symmetric")) in grids]
     if not args.no_peer:
-        runs += [(tool, label, sym, *f.peer(method, sym)) for tool, method, sym in PEERS if sym in grids
+        runs += [(tool, label, sym, *f.peer(method, sym)) for tool, method, sym in PEERS
+                 if sym in grids and tool in args.peers.split(",")
                  for label in [{"autoround": "AutoRound", "hqq": "HQQ", "gptq": "GPTQ"}[method]]]
     base, *rows = f.quality([r[3] for r in runs])
     rtn_gap = {sym: row.perplexity - base.perplexity for (tool, label, sym, *_), row in zip(runs, rows)
@@ -192,6 +194,7 @@ def main() -> None:
     ap.add_argument("--frontier-python", default=FRONTIER_PYTHON, help="python with auto-round 0.16.1 and hqq 0.2.8")
     ap.add_argument("--llmc-python", default=LLMC_PYTHON, help="python with llmcompressor 0.14")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peers", default="auto-round,hqq,llm-compressor", help="which peers to run")
     ap.add_argument("--grids", choices=["both", "asymmetric", "symmetric"], default="both",
                     help="which int4 grids to make (asymmetric alone: half the variants)")
     args = ap.parse_args()

@@ -1456,7 +1456,8 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
     for (int64_t h = 0; h < heads; ++h) {
       if constexpr (K::kBlocked) {  // t0 and c are multiples of 16: the 16 tokens are one run of a block
         static_assert(std::is_same_v<T, bf16>);
-        if (c + 32 < n) keys.prefetch(table[(t0 + c + 32) / bs], (t0 + c + 32) % bs, h0 + h);
+        if (c + 32 < n)  // two runs ahead (one ahead measured the same)
+          keys.prefetch(table[(t0 + c + 32) / bs], (t0 + c + 32) % bs, h0 + h);
         const bf16* run = keys.run(table[(t0 + c) / bs], (t0 + c) % bs, h0 + h);
         for (int64_t g = h * G; g < (h + 1) * G; g += 4) {
           const bf16* qg = q + (h0 * G + g) * D;
@@ -1985,9 +1986,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         const bool real = c0 + i < C;
         const int64_t e = sp[real ? c0 + i : 0] * Hkv + h;
         const bf16 *krow = blocked ? nullptr : row(k.data_ptr(), ks, e, kbuf), *vrow = row(v.data_ptr(), vs, e, vbuf);
-        if (blocked) {  // as uint32 [blocks, Hkv, D / 2, bs]: the key's pair dp is word dp * bs from its first
+        if (blocked) {  // the key's channel pair dp is 32-bit word dp * bs from its first (BlockedKeys)
           const int64_t bs = k.size(3), slot = sp[real ? c0 + i : 0];
-          const uint32_t* pair = (const uint32_t*)k.data_ptr() + (slot / bs * Hkv + h) * D / 2 * bs + slot % bs;
+          const auto* pair = (const uint32_t*)BlockedKeys{k.data_ptr<bf16>(), Hkv, D, bs}.run(slot / bs, slot % bs, h);
           for (int64_t dp = 0; dp < D / 2; ++dp) kt[dp * 16 + i] = real ? pair[dp * bs] : 0;
         } else {
           for (int64_t dp = 0; dp < D / 2; ++dp)

@@ -5,7 +5,6 @@ in the MLP) and the int4 KV cache (cache.int4)."""
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

@@ -135,10 +135,11 @@ class Frontier:
 
         records = [self.root / f"{name}.quality{self.args.max_tokens}.json" for name in ["bf16", *(d.name for d in
                                                                                                    dirs)]]
-        if not all(r.exists() for r in records):
+        todo = [(d, r) for d, r in zip(dirs, records[1:]) if not r.exists()]
+        if todo or not records[0].exists():  # the bf16 row is scored again with the new ones: KL needs its logits
             wait_quiet()
-            rows = quality(self.model, [str(d) for d in dirs], "bfloat16", "cpu", self.args.max_tokens)
-            for record, row in zip(records, rows):
+            rows = quality(self.model, [str(d) for d, _ in todo], "bfloat16", "cpu", self.args.max_tokens)
+            for record, row in zip([records[0], *(r for _, r in todo)], rows):
                 record.write_text(json.dumps(row.to_dict()))
         return [Compared(**json.loads(r.read_text())) for r in records]
 

@@ -168,7 +168,7 @@ def attention(ops, args) -> None:
     table = Table(title=f"paged decode attention, {args.threads} threads, 30 layers' pools, bf16 queries: "
                         f"microseconds a layer (GB/s of keys and values read; a streaming read: {stream:.1f} GB/s)")
     for col in ("shape", "leanlm, bf16 pool", "leanlm, bf16 pool, keys by block", "leanlm, int8 pool",
-                "leanlm, int4 pool", "gather + SDPA, bf16"):
+                "leanlm, int8 pool, keys by block", "leanlm, int4 pool", "gather + SDPA, bf16"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for name, H, Hkv, D, B, L in ATTENTION:
         bs, layers = 16, 30
@@ -179,8 +179,9 @@ def attention(ops, args) -> None:
         q = torch.randn(B, H, D, generator=g).bfloat16()
         pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(layers)]
         int8 = [[*quantize_per_token(k), *quantize_per_token(v)] for k, v in pools]
-        by_block = [torch.empty(blocks, Hkv, D // 2, bs, 2, dtype=torch.bfloat16) for _ in pools]  # cache.paged
-        for keys, (k, _) in zip(by_block, pools):
+        by_block, int8_by_block = ([torch.empty(blocks, Hkv, D // 2, bs, 2, dtype=dtype) for _ in pools]
+                                   for dtype in (torch.bfloat16, torch.int8))  # cache.paged
+        for keys, k in zip(by_block + int8_by_block, [k for k, _ in pools] + [kq for kq, *_ in int8]):
             put(keys, torch.arange(blocks * bs), k)
         int4 = Int4KVPool(ModelConfig("llama", 8, H * D, 8, layers, H, Hkv, D, L), blocks, bs, torch.bfloat16,
                           open_blocks=B)
@@ -197,6 +198,8 @@ def attention(ops, args) -> None:
         runs = [(ops.paged_attention, [(q, k, v, tables, lens, bs) for k, v in pools], 2),
                 (ops.paged_attention, [(q, keys, v, tables, lens, bs) for keys, (_, v) in zip(by_block, pools)], 2),
                 (ops.paged_attention, [(q, kq, vq, tables, lens, bs, ks, vs) for kq, ks, vq, vs in int8], 1 + 4 / D),
+                (ops.paged_attention, [(q, keys, vq, tables, lens, bs, ks, vs) for keys, (_, ks, vq, vs) in
+                                       zip(int8_by_block, int8)], 1 + 4 / D),
                 (ops.paged_attention_int4, [(q, *int4._tensors(i), tables, lens, bs) for i in range(layers)],
                  Int4KVPool.bytes_per_block(int4_cfg(Hkv, D), bs) / (2 * bs * Hkv * D)),
                 (gathered, [(q, k, v) for k, v in pools], 2)]

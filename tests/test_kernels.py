@@ -478,36 +478,50 @@ def test_prefill_attention_equals_causal_attention_over_gathered_keys(ops, T, C,
 @pytest.mark.parametrize("H, Hkv, D, bs, lens, threads", [(9, 3, 64, 16, [1, 16, 17, 40, 300], 2),
                                                            (12, 2, 128, 32, [500], 4), (6, 1, 80, 16, [33, 7], 4)],
                          ids=["groups-of-3", "groups-of-6-split-by-tokens", "odd-vectors"])
-def test_attention_reads_keys_by_block(ops, H, Hkv, D, bs, lens, threads):
-    """A bf16 pool's keys by block [blocks, Hkv, D / 2, bs, 2] (cache.paged.put): decode attention and prefill
+@pytest.mark.parametrize("entries, qtype", [(torch.bfloat16, torch.bfloat16), (torch.int8, torch.bfloat16),
+                                            (torch.int8, torch.float32)], ids=["bf16", "int8", "int8-float-queries"])
+def test_attention_reads_keys_by_block(ops, H, Hkv, D, bs, lens, threads, entries, qtype):
+    """A pool's keys by block [blocks, Hkv, D / 2, bs, 2] (cache.paged.put): decode attention and prefill
     attention against the definition over the same keys, with blocks scattered, runs of 16 tokens cut by the
-    sequence's end, a sequence split by tokens across threads and query groups of more than 4 heads."""
+    sequence's end, a sequence split by tokens across threads and query groups of more than 4 heads. An int8 pool:
+    codes by block with a scale per slot and kv head (the decode kernel rounds the queries to int16)."""
+    from leanlm.cache.int8 import quantize_per_token
     from leanlm.cache.paged import put
 
     g = torch.Generator().manual_seed(D + bs)
     B, width = len(lens), max(lens) // bs + 1
     blocks = B * width + 3
-    k, v = (torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2))
-    keys = torch.full((blocks, Hkv, D // 2, bs, 2), float("nan"), dtype=torch.bfloat16)  # unwritten: NaN
-    put(keys, torch.arange(blocks * bs), k)
+    k, v = (torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() * 2 for _ in range(2))
+    scales = ()
+    if entries == torch.int8:
+        (k, ks), (v, vs) = quantize_per_token(k), quantize_per_token(v)
+        scales = ks, vs
+    keys = torch.full((blocks, Hkv, D // 2, bs, 2), 0 if entries == torch.int8 else float("nan"), dtype=entries)
+    put(keys, torch.arange(blocks * bs), k)  # unwritten bf16: NaN
     tables = torch.randperm(blocks, generator=g)[: B * width].view(B, width).int()
-    q = torch.randn(B, H, D, generator=g).bfloat16()
+    q = torch.randn(B, H, D, generator=g).to(qtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = ops.paged_attention(q, keys, v, tables, torch.tensor(lens, dtype=torch.int32), bs)
+        out = ops.paged_attention(q, keys, v, tables, torch.tensor(lens, dtype=torch.int32), bs, *scales)
         slots = [(tables[b].long()[:, None] * bs + torch.arange(bs)).flatten()[:n] for b, n in enumerate(lens)]
-        prefill = ops.prefill_attention(q[0][None].expand(lens[0], H, D).contiguous(), keys, v, slots[0])
+        prefill = ops.prefill_attention(q[0][None].expand(lens[0], H, D).bfloat16().contiguous(), keys, v, slots[0],
+                                        *scales)
     finally:
         torch.set_num_threads(before)
+    if scales:  # what the pool holds
+        k, v = k.float() * scales[0], v.float() * scales[1]
+    tolerance = 1e-3 if qtype == torch.float32 else 1e-2  # the output rounded to bf16 or not
     for b in range(B):
         kb, vb = (x[slots[b]].float().repeat_interleave(H // Hkv, 1) for x in (k, v))
         probs = torch.einsum("hd,shd->hs", q[b].float(), kb).div(D**0.5).softmax(-1)
-        assert (out[b].float() - torch.einsum("hs,shd->hd", probs, vb)).abs().max() < 2e-2
+        expected = torch.einsum("hs,shd->hd", probs, vb)
+        assert out.dtype == qtype and (out[b].float() - expected).abs().max() < tolerance * expected.abs().max()
         if b == 0:  # the chunk's last query (position lens[0] - 1) sees every key, as the decode query
-            assert (prefill[-1].float() - out[0].float()).abs().max() < 2e-2
+            assert (prefill[-1].float() - out[0].float()).abs().max() < 2e-2 * expected.abs().max()
     with pytest.raises(RuntimeError, match="keys by block"):
-        ops.paged_attention(q, keys[:, :, :, : bs // 2].contiguous(), v, tables, torch.tensor(lens, dtype=torch.int32), bs)
+        ops.paged_attention(q, keys[:, :, :, : bs // 2].contiguous(), v, tables, torch.tensor(lens, dtype=torch.int32),
+                            bs, *scales)
 
 
 @pytest.mark.parametrize("n", [1536, 4864, 48, 64])  # 12 x 128, 152 x 32, 12 x 4 (no 16-float vectors), 1 x 64

@@ -32,18 +32,20 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
-def keys_by_block(dtype: torch.dtype, device, block_size: int) -> bool:
-    """Whether a pool of these entries keeps its keys by block (KVPool): bf16 on a CPU whose kernels have bf16 dot
-    products, blocks a multiple of 16 tokens. Their decode and prefill attention read them in place; elsewhere a
-    gather by block would cost more than the layout saves."""
-    if dtype != torch.bfloat16 or torch.device(device or "cpu").type != "cpu" or block_size % 16:
+def keys_by_block(dtype: torch.dtype, device, block_size: int, int8: bool = False) -> bool:
+    """Whether a pool of these entries keeps its keys by block (KVPool): on a CPU, blocks a multiple of 16 tokens,
+    bf16 entries where the kernels have bf16 dot products, int8 codes where they have AVX-512 VNNI (int16 pair
+    products). Their decode and prefill attention read them in place; elsewhere a gather by block would cost more
+    than the layout saves."""
+    if torch.device(device or "cpu").type != "cpu" or block_size % 16 or (dtype != torch.bfloat16 and not int8):
         return False
     ops = kernels.ops()
-    return ops is not None and ops.bf16_isa() == "avx512bf16"
+    return ops is not None and (ops.isa() == "avx512" if int8 else ops.bf16_isa() == "avx512bf16")
 
 
 def put(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """store[slots] = x  # x [N, Hkv, D]; store [slots, Hkv, D], or keys by block [blocks, Hkv, D / 2, bs, 2]"""
+    """store[slots] = x  # x [N, Hkv, D]; store [slots, Hkv, D], or keys by block [blocks, Hkv, D / 2, bs, 2] (bf16
+    or int8)"""
     if store.dim() == 3:
         store.index_copy_(0, slots, x)
     else:
@@ -62,10 +64,10 @@ class KVPool:
     """Every layer's keys and values, slot by slot: k[layer] [num_blocks * block_size, Hkv, D]. With int8=True the
     entries are int8 codes with a float32 scale per (slot, head) (cache.int8): about half the bytes.
 
-    A CPU pool of bf16 entries keeps its keys by block instead (keys_by_block), k[layer] [num_blocks, Hkv, D / 2,
-    block_size, 2]: the channel pair p of 16 tokens of a kv head side by side, so that the paged-attention kernel's
-    scores are products of whole vectors with a query's pair (kernels: BlockedKeys), with no sums across lanes. `put`
-    and `take` write and read either layout by slot."""
+    A CPU pool keeps its keys by block instead where the kernels read them so (keys_by_block), k[layer] [num_blocks,
+    Hkv, D / 2, block_size, 2]: the channel pair p of 16 tokens of a kv head side by side, so that the paged-attention
+    kernel's scores are products of whole vectors with a query's pair (kernels: BlockedKeys), with no sums across
+    lanes; an int8 pool's scales stay by slot. `put` and `take` write and read either layout by slot."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device=None,
                  int8: bool = False):
@@ -77,7 +79,7 @@ class KVPool:
         # attention reads only slots that were written (paged_attention.PagedStep)
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         store = torch.int8 if int8 else dtype
-        blocked = not int8 and keys_by_block(dtype, device, block_size)
+        blocked = keys_by_block(dtype, device, block_size, int8)
         keys = (num_blocks, cfg.num_kv_heads, cfg.head_dim // 2, block_size, 2) if blocked else shape
         self.k = [torch.empty(keys, dtype=store, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.empty(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
@@ -115,14 +117,14 @@ class KVPool:
             return
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, scale = quantize_per_token(x)
-            codes[layer].index_copy_(0, slots, q)
+            put(codes[layer], slots, q)
             scales[layer].index_copy_(0, slots, scale)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at these slots, in the model dtype  # slots [...] -> [..., Hkv, D]"""
         if not self.int8:
             return take(self.k[layer], slots), self.v[layer][slots]
-        return (dequantize_per_token(self.k[layer][slots], self.k_scale[layer][slots], self.dtype),
+        return (dequantize_per_token(take(self.k[layer], slots), self.k_scale[layer][slots], self.dtype),
                 dequantize_per_token(self.v[layer][slots], self.v_scale[layer][slots], self.dtype))
 
     def attend_kernel(self, ops, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). 
     y = ops.bf16_packed_gemm(x, pack_bf16(w))  # the same product on w packed [N/16, K/2, 16, 2] (pack_bf16 below)
     o = ops.paged_attention(q, k, v, tables, lens, block_size[, k_scale, v_scale])  # decode attention, paged KV
     o = ops.prefill_attention(q, k, v, slots[, k_scale, v_scale])  # a prompt chunk against its C keys, causally
-    ops.put_keys(k, slots, x)  # new keys into a bf16 pool kept by block (cache.paged), k [blocks, Hkv, D/2, bs, 2]
+    ops.put_keys(k, slots, x)  # new keys into a pool kept by block (cache.paged), k [blocks, Hkv, D/2, bs, 2]
     y = ops.hadamard_rotate(x, bt, scale)  # QuaRot's online rotation (lowbit/hadamard.py OnlineRotation) of rows x
 """
 

@@ -1309,6 +1309,43 @@ inline void blocked_scores(const bf16* q, int64_t D, const bf16* run, int64_t st
   for (int g = 0; g < N; ++g) store16(s + g * width, (a[g][0] + a[g][1]) * scale);
 }
 
+// 32 int8 codes as 16 lanes of int16 pairs (lane i: codes 2i, 2i + 1, the low half first)
+inline i32x16 widen_pairs(const int8_t* p) {
+#if defined(LEANLM_AVX512)
+  return (i32x16)_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+#else
+  i32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = int32_t(uint16_t(int16_t(p[2 * i])) | uint32_t(int32_t(p[2 * i + 1])) << 16);
+  return v;
+#endif
+}
+
+// acc + (a's int16 pairs . the int16 pair x, lane by lane; exact in int32): vpdpwssd where the build has AVX-512
+// VNNI, else both halves sign-extended
+inline i32x16 pair_dot16(i32x16 acc, i32x16 a, uint32_t x) {
+#if defined(LEANLM_AVX512)
+  return (i32x16)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, _mm512_set1_epi32(int(x)));
+#else
+  return acc + ((a << 16) >> 16) * int32_t(int16_t(x)) + (a >> 16) * int32_t(int16_t(x >> 16));
+#endif
+}
+
+// blocked_scores over an int8 pool's keys by block: N query heads rounded to int16, q [N, D] with a scale each
+// (qs, the softmax's 1 / sqrt(D) in it), against the run's codes, exact int32 sums (|sum| <= D 32767 128 < 2^31
+// for D <= 256), times the 16 tokens' scales ks.
+template <int N>
+inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const int8_t* run, int64_t stride,
+                           f32x16 ks, float* s, int64_t width) {
+  i32x16 a[N][2] = {};
+  const uint32_t* qw = (const uint32_t*)q;
+  for (int64_t p = 0; p < D / 2; p += 2)
+    for (int j = 0; j < 2; ++j) {
+      const i32x16 kv = widen_pairs(run + (p + j) * stride);
+      for (int g = 0; g < N; ++g) a[g][j] = pair_dot16(a[g][j], kv, qw[g * D / 2 + p + j]);
+    }
+  for (int g = 0; g < N; ++g) store16(s + g * width, __builtin_convertvector(a[g][0] + a[g][1], f32x16) * ks * qs[g]);
+}
+
 // Where attention reads a token's key or value row of one kv head, as 16-float vectors (load32's order with
 // pairs, for the value pass). PoolRows: the pool's entries [slots, Hkv, D] of S (float, bf16, or int8 codes times a
 // float scale per (slot, kv head)).
@@ -1334,22 +1371,31 @@ struct PoolRows {
   }
 };
 
-// The keys of a bf16 pool stored by block, [blocks, Hkv, D / 2, bs, 2] (cache.paged): a run of 16 tokens of one kv
-// head holds, in vector p (64 bytes), the 16 tokens' channels 2p and 2p + 1, so their 16 scores against a query are
-// D / 2 pair products with the query's pair p broadcast, in lanes: no transposing sums (sum16x16), and a run of
-// D / 2 vectors is one contiguous read when bs is 16. bs a multiple of 16; runs start at multiples of 16. Zen 4, 2
-// threads (benchmarks/kernels.py --sections a): 1.2-1.3x the rows' layout from L3, 1.08-1.16x from memory, where
-// attention is bound by its reads (13-14 GB/s: blocks of 16-128 tokens alike).
+// The keys of a pool stored by block, [blocks, Hkv, D / 2, bs, 2] (cache.paged): a run of 16 tokens of one kv head
+// holds, in vector p, the 16 tokens' channels 2p and 2p + 1, so their 16 scores against a query are D / 2 pair
+// products with the query's pair p broadcast, in lanes: no transposing sums (sum16x16), and a run of D / 2 vectors
+// is one contiguous read when bs is 16. bs a multiple of 16; runs start at multiples of 16. S: bf16 (`vdpbf16ps`,
+// 64-byte vectors), or int8 codes (32 bytes, widened to int16 pairs for `vpdpwssd` against the query rounded to
+// int16) times a float scale per (slot, kv head). Zen 4, 2 threads (benchmarks/kernels.py --sections a), bf16:
+// 1.2-1.3x the rows' layout from L3, 1.08-1.16x from memory, where attention is bound by its reads (13-14 GB/s:
+// blocks of 16-128 tokens alike).
+template <typename S>
 struct BlockedKeys {
-  static constexpr bool kBlocked = true;
-  const bf16* base;
+  static constexpr bool kBf16 = std::is_same_v<S, bf16>, kBlocked = true;  // else int8 codes
+  const S* base;
+  const float* scales;  // int8: [slots, Hkv]; bf16: null
   int64_t Hkv, D, bs;
-  const bf16* run(int64_t block, int64_t offset, int64_t h) const {
+  const S* run(int64_t block, int64_t offset, int64_t h) const {
     return base + (block * Hkv + h) * D * bs + 2 * offset;
   }
   int64_t stride() const { return 2 * bs; }  // elements from a run's vector p to vector p + 1
   void prefetch(int64_t block, int64_t offset, int64_t h) const {
     for (int64_t p = 0; p < D / 2; ++p) __builtin_prefetch(run(block, offset, h) + p * stride());
+  }
+  f32x16 scales16(int64_t block, int64_t offset, int64_t h) const {  // the run's 16 tokens' scales
+    f32x16 v;
+    for (int t = 0; t < 16; ++t) v[t] = scales[((block * bs + offset + t) * Hkv + h)];
+    return v;
   }
 };
 
@@ -1425,6 +1471,19 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
   f32x16 qv[kMaxVectors], rows[16 * kMaxRow];
   const float scale = 1.f / std::sqrt(float(D));
   for (int64_t i = 0; i < heads * G * V; ++i) qv[i] = load16(q + h0 * G * D + i * 16) * scale;
+  thread_local std::vector<int16_t> q16;  // int8 keys by block: the query heads rounded to int16, a scale each
+  thread_local std::vector<float> qs;
+  if constexpr (K::kBlocked && !K::kBf16) {
+    q16.resize(heads * G * D), qs.resize(heads * G);
+    for (int64_t g = 0; g < heads * G; ++g) {
+      const T* x = q + (h0 * G + g) * D;
+      float top = 0.f;
+      for (int64_t d = 0; d < D; ++d) top = std::max(top, std::abs(float(x[d])));
+      const float inv = top > 0.f ? 32767.f / top : 0.f;
+      for (int64_t d = 0; d < D; ++d) q16[g * D + d] = int16_t(std::nearbyint(float(x[d]) * inv));
+      qs[g] = top / 32767.f * scale;
+    }
+  }
   // The pool slots of tokens t0 + c + [0, 16), found once per 16 tokens, and of the 16 after them, whose rows are
   // prefetched while these are read: the blocks lie anywhere in the pool, so the hardware prefetcher restarts at
   // each, and the cores waited on memory, not overlapping it with the arithmetic (bf16, 32 sequences x 384 tokens,
@@ -1455,18 +1514,25 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
   for (int64_t c = 0; c < n; c += 16)
     for (int64_t h = 0; h < heads; ++h) {
       if constexpr (K::kBlocked) {  // t0 and c are multiples of 16: the 16 tokens are one run of a block
-        static_assert(std::is_same_v<T, bf16>);
         if (c + 32 < n)  // two runs ahead (one ahead measured the same)
           keys.prefetch(table[(t0 + c + 32) / bs], (t0 + c + 32) % bs, h0 + h);
-        const bf16* run = keys.run(table[(t0 + c) / bs], (t0 + c) % bs, h0 + h);
+        const int64_t block = table[(t0 + c) / bs], offset = (t0 + c) % bs;
+        const auto* run = keys.run(block, offset, h0 + h);
         for (int64_t g = h * G; g < (h + 1) * G; g += 4) {
-          const bf16* qg = q + (h0 * G + g) * D;
           float* s = scores + g * width + c;
+          const auto scores_of = [&](auto heads) {
+            constexpr int N = decltype(heads)::value;
+            if constexpr (K::kBf16)
+              blocked_scores<N>(q + (h0 * G + g) * D, D, run, keys.stride(), scale, s, width);
+            else
+              blocked_scores<N>(q16.data() + g * D, qs.data() + g, D, run, keys.stride(),
+                                keys.scales16(block, offset, h0 + h), s, width);
+          };
           switch (std::min<int64_t>(4, (h + 1) * G - g)) {
-            case 4: blocked_scores<4>(qg, D, run, keys.stride(), scale, s, width); break;
-            case 3: blocked_scores<3>(qg, D, run, keys.stride(), scale, s, width); break;
-            case 2: blocked_scores<2>(qg, D, run, keys.stride(), scale, s, width); break;
-            default: blocked_scores<1>(qg, D, run, keys.stride(), scale, s, width);
+            case 4: scores_of(std::integral_constant<int, 4>{}); break;
+            case 3: scores_of(std::integral_constant<int, 3>{}); break;
+            case 2: scores_of(std::integral_constant<int, 2>{}); break;
+            default: scores_of(std::integral_constant<int, 1>{});
           }
         }
       } else {
@@ -1597,17 +1663,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && v.dim() == 3 && q.size(2) == v.size(2) && q.size(1) % v.size(1) == 0,
               "paged_attention wants q [B, H, D] and v [slots, Hkv, D] with H a multiple of Hkv");
-  const bool blocked = k.dim() == 5;  // a bf16 pool's keys by block (BlockedKeys)
+  const bool blocked = k.dim() == 5, int8 = k.scalar_type() == at::kChar;  // keys by block (BlockedKeys)
   if (blocked) {
     TORCH_CHECK(k.size(0) * k.size(3) == v.size(0) && k.size(1) == v.size(1) && 2 * k.size(2) == v.size(2) &&
                     k.size(3) == block_size && block_size % 16 == 0 && k.size(4) == 2 &&
-                    q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16,
-                "paged_attention: keys by block are bf16 [blocks, Hkv, D / 2, block_size, 2], block_size a multiple "
-                "of 16, beside values [blocks * block_size, Hkv, D] and bf16 q; got k ", k.sizes(), " v ", v.sizes());
+                    (int8 || (q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16)),
+                "paged_attention: keys by block are [blocks, Hkv, D / 2, block_size, 2] (bf16 with bf16 q, or int8 "
+                "codes), block_size a multiple of 16, beside values [blocks * block_size, Hkv, D]; got k ", k.sizes(),
+                " v ", v.sizes());
   } else {
     TORCH_CHECK(k.sizes() == v.sizes(), "paged_attention wants k, v [slots, Hkv, D] alike (or keys by block)");
   }
-  const bool int8 = k.scalar_type() == at::kChar;
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                   (int8 || k.scalar_type() == q.scalar_type()) && v.scalar_type() == k.scalar_type(),
               "paged_attention wants q float32 or bfloat16, and k, v of q's dtype or int8");
@@ -1626,25 +1692,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   at::Tensor out = at::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), Hkv = v.size(1), D = q.size(2), W = tables.size(1);
   const int32_t* tp = tables.data_ptr<int32_t>();
-  if (blocked) {
-    attend_all(q.data_ptr<bf16>(), BlockedKeys{k.data_ptr<bf16>(), Hkv, D, block_size},
-               PoolRows<bf16>{v.data_ptr<bf16>(), nullptr, Hkv, D}, tp, lp, out, B, H, Hkv, D, W, block_size);
-    return out;
-  }
   const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
-  auto run = [&](auto* qp, auto* kp, auto* vp) {  // out has q's dtype
-    using S = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    attend_all(qp, PoolRows<S>{kp, ks, Hkv, D}, PoolRows<S>{vp, vs, Hkv, D}, tp, lp, out, B, H, Hkv, D, W, block_size);
+  auto run = [&](auto* qp, auto* vp) {  // out has q's dtype; the keys' entries are the values'
+    using S = std::remove_pointer_t<decltype(vp)>;
+    const PoolRows<S> values{vp, vs, Hkv, D};
+    if (!blocked)
+      attend_all(qp, PoolRows<S>{k.data_ptr<S>(), ks, Hkv, D}, values, tp, lp, out, B, H, Hkv, D, W, block_size);
+    else if constexpr (std::is_same_v<S, int8_t> || std::is_same_v<decltype(qp), bf16*>)
+      attend_all(qp, BlockedKeys<S>{k.data_ptr<S>(), ks, Hkv, D, block_size}, values, tp, lp, out, B, H, Hkv, D, W,
+                 block_size);
   };
-  if (q.scalar_type() == at::kFloat && int8)
-    run(q.data_ptr<float>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>());
-  else if (q.scalar_type() == at::kFloat)
-    run(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>());
-  else if (int8)
-    run(q.data_ptr<bf16>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>());
+  if (q.scalar_type() == at::kFloat)
+    int8 ? run(q.data_ptr<float>(), v.data_ptr<int8_t>()) : run(q.data_ptr<float>(), v.data_ptr<float>());
   else
-    run(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>());
+    int8 ? run(q.data_ptr<bf16>(), v.data_ptr<int8_t>()) : run(q.data_ptr<bf16>(), v.data_ptr<bf16>());
   return out;
 }
 
@@ -1898,32 +1960,39 @@ at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-// New keys x [N, Hkv, D] into a bf16 pool kept by block, store [blocks, Hkv, D / 2, bs, 2] (BlockedKeys), at slots
-// [N]: as 32-bit words, token n's channel pair p of kv head h goes to ((slot / bs Hkv + h) D / 2 + p) bs + slot % bs.
+// New keys x [N, Hkv, D] into a pool kept by block, store [blocks, Hkv, D / 2, bs, 2] (BlockedKeys; bf16, or int8
+// codes), at slots [N]: as words of two entries, token n's channel pair p of kv head h goes to word
+// ((slot / bs Hkv + h) D / 2 + p) bs + slot % bs.
 void put_keys(at::Tensor store, const at::Tensor& slots, const at::Tensor& x) {
-  TORCH_CHECK(store.dim() == 5 && store.scalar_type() == at::kBFloat16 && store.is_contiguous() && store.size(4) == 2 &&
-                  x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.size(1) == store.size(1) &&
+  TORCH_CHECK(store.dim() == 5 && (store.scalar_type() == at::kBFloat16 || store.scalar_type() == at::kChar) &&
+                  store.is_contiguous() && store.size(4) == 2 && x.dim() == 3 &&
+                  x.scalar_type() == store.scalar_type() && x.size(1) == store.size(1) &&
                   x.size(2) == 2 * store.size(2) && slots.dim() == 1 && slots.scalar_type() == at::kLong &&
                   slots.size(0) == x.size(0) && store.device().is_cpu() && x.device().is_cpu(),
-              "put_keys wants bf16 store [blocks, Hkv, D / 2, bs, 2], int64 slots [N] and bf16 x [N, Hkv, D]; got ",
-              store.sizes(), " ", slots.sizes(), " ", x.sizes());
+              "put_keys wants a store [blocks, Hkv, D / 2, bs, 2] (bf16 or int8), int64 slots [N] and x [N, Hkv, D] "
+              "of its dtype; got ", store.sizes(), " ", store.scalar_type(), ", ", slots.sizes(), ", ", x.sizes(), " ",
+              x.scalar_type());
   const at::Tensor xc = x.contiguous(), sc = slots.contiguous();
   const int64_t N = xc.size(0), Hkv = xc.size(1), P = store.size(2), bs = store.size(3);
   const int64_t* sp = sc.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(sp[n] >= 0 && sp[n] < store.size(0) * bs, "put_keys: slot ", sp[n], " is not in the pool");
-  const uint32_t* xp = (const uint32_t*)xc.data_ptr();
-  uint32_t* out = (uint32_t*)store.data_ptr();
-  at::parallel_for(0, N * Hkv, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t slot = sp[i / Hkv], h = i % Hkv;
-      uint32_t* to = out + (slot / bs * Hkv + h) * P * bs + slot % bs;
-      for (int64_t p = 0; p < P; ++p) to[p * bs] = xp[i * P + p];
-    }
-  });
+  auto put = [&](auto word) {  // the type of two entries
+    using W = decltype(word);
+    const W* xp = (const W*)xc.data_ptr();
+    W* out = (W*)store.data_ptr();
+    at::parallel_for(0, N * Hkv, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t slot = sp[i / Hkv], h = i % Hkv;
+        W* to = out + (slot / bs * Hkv + h) * P * bs + slot % bs;
+        for (int64_t p = 0; p < P; ++p) to[p * bs] = xp[i * P + p];
+      }
+    });
+  };
+  store.scalar_type() == at::kChar ? put(uint16_t{}) : put(uint32_t{});
 }
 
-// Prefill attention over a bf16 or int8 pool (bf16 keys by block too): a prompt chunk's T queries q [T, H, D] at
+// Prefill attention over a bf16 or int8 pool (its keys by block too): a prompt chunk's T queries q [T, H, D] at
 // positions C - T .. C - 1 against the C keys and values at pool `slots` (its context: the earlier chunks' tokens,
 // then its own), causally; out [T, H, D] bf16. An int8 pool's rows are read as codes times their scale, rounded to
 // bf16 (cache.int8). Both halves are packed products (packed_rows): each kv head's keys are packed once as a weight
@@ -1937,7 +2006,7 @@ constexpr int64_t kPrefillPositions = 16;
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  const bool int8 = k.scalar_type() == at::kChar, blocked = k.dim() == 5;  // blocked: bf16 keys by block
+  const bool int8 = k.scalar_type() == at::kChar, blocked = k.dim() == 5;  // keys by block (either dtype)
   const bool keys_fit = blocked ? k.size(0) * k.size(3) == v.size(0) && k.size(1) == v.size(1) &&
                                       2 * k.size(2) == v.size(2) && k.size(3) % 16 == 0 && k.size(4) == 2
                                 : k.sizes() == v.sizes();
@@ -1947,7 +2016,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                   k.is_contiguous() && v.is_contiguous() && q.device().is_cpu() && k.device().is_cpu() &&
                   v.device().is_cpu(),
               "prefill_attention wants bf16 q [T, H, D] and contiguous k, v [slots, Hkv, D] (bf16, or int8 codes; or "
-              "bf16 keys by block [blocks, Hkv, D / 2, block_size, 2]), H a multiple of Hkv and D of 16 up to 256; "
+              "the keys by block [blocks, Hkv, D / 2, block_size, 2]), H a multiple of Hkv and D of 16 up to 256; "
               "got ", q.sizes(), " ", k.sizes(), " ", v.sizes(), " ", k.scalar_type());
   for (const auto* scale : {&k_scale, &v_scale}) {
     const bool fits = !int8 || ((*scale)->scalar_type() == at::kFloat && (*scale)->is_contiguous() &&
@@ -1986,10 +2055,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         const bool real = c0 + i < C;
         const int64_t e = sp[real ? c0 + i : 0] * Hkv + h;
         const bf16 *krow = blocked ? nullptr : row(k.data_ptr(), ks, e, kbuf), *vrow = row(v.data_ptr(), vs, e, vbuf);
-        if (blocked) {  // the key's channel pair dp is 32-bit word dp * bs from its first (BlockedKeys)
+        if (blocked && !int8) {  // the key's channel pair dp is 32-bit word dp * bs from its first (BlockedKeys)
           const int64_t bs = k.size(3), slot = sp[real ? c0 + i : 0];
-          const auto* pair = (const uint32_t*)BlockedKeys{k.data_ptr<bf16>(), Hkv, D, bs}.run(slot / bs, slot % bs, h);
+          const auto* pair =
+              (const uint32_t*)BlockedKeys<bf16>{k.data_ptr<bf16>(), nullptr, Hkv, D, bs}.run(slot / bs, slot % bs, h);
           for (int64_t dp = 0; dp < D / 2; ++dp) kt[dp * 16 + i] = real ? pair[dp * bs] : 0;
+        } else if (blocked) {  // int8 codes: pair dp at entries 2 dp bs, + 1, times the (slot, kv head)'s scale
+          const int64_t bs = k.size(3), slot = sp[real ? c0 + i : 0];
+          const int8_t* pair = BlockedKeys<int8_t>{k.data_ptr<int8_t>(), ks, Hkv, D, bs}.run(slot / bs, slot % bs, h);
+          for (int64_t dp = 0; dp < D / 2; ++dp) {
+            const bf16 two[2] = {bf16(float(pair[2 * dp * bs]) * ks[e]), bf16(float(pair[2 * dp * bs + 1]) * ks[e])};
+            std::memcpy(kt + dp * 16 + i, real ? (const void*)two : &zero, 4);
+          }
         } else {
           for (int64_t dp = 0; dp < D / 2; ++dp)
             std::memcpy(kt + dp * 16 + i, real ? (const void*)(krow + 2 * dp) : &zero, 4);

@@ -140,17 +140,18 @@ def test_pool_size_follows_the_budget(tmp_path):
 
 
 @pytest.mark.parametrize("dtype, int8, block_size", [(torch.float32, False, 4), (torch.float32, True, 4),
-                                                     (torch.bfloat16, False, 16)], ids=["float32", "int8", "bf16"])
+                                                     (torch.bfloat16, False, 16), (torch.bfloat16, True, 16)],
+                         ids=["float32", "int8", "bf16", "int8-bf16"])
 def test_paged_logits_equal_static_cache_logits(tmp_path, dtype, int8, block_size):
     """Three sequences in one packed step (two decodes, one prefill chunk continuing a cached prefix) against
-    each sequence run alone through the static cache, with scattered, non-contiguous blocks. A bf16 pool of 16-token
-    blocks keeps its keys by block."""
+    each sequence run alone through the static cache, with scattered, non-contiguous blocks. Pools of 16-token
+    blocks keep their keys by block (bf16, and int8 on AVX-512 VNNI)."""
     make_hf_model("qwen2", tmp_path)
     model = load_model(tmp_path, dtype)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 21, 30)]
     pool = KVPool(model.config, 24, block_size, dtype, int8=int8)
-    assert pool.k[0].dim() == (5 if paged.keys_by_block(dtype, "cpu", block_size) else 3)
+    assert pool.k[0].dim() == (5 if paged.keys_by_block(dtype, "cpu", block_size, int8) else 3)
     tables = [[5, 1, 9], [2, 7, 3, 11, 0, 8], [4, 6, 10, 12, 13, 14, 15, 16]]
 
     def run(seqs):  # (table, first new position, new tokens)
@@ -175,21 +176,28 @@ def test_paged_logits_equal_static_cache_logits(tmp_path, dtype, int8, block_siz
         assert (a.float() - b.float()).abs().max() < (1e-4 if dtype == torch.float32 else 0.1 * b.float().abs().max())
 
 
-def test_keys_by_block_round_trip_and_copy(monkeypatch):
-    """put/take by slot on keys by block, and copy_blocks (a fork's partial block) copying whole blocks of them."""
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_keys_by_block_round_trip_and_copy(monkeypatch, int8):
+    """put/take by slot on keys by block, and copy_blocks (a fork's partial block) copying whole blocks of them; an
+    int8 pool's codes by block and scales by slot."""
+    from leanlm.cache.int8 import dequantize_per_token, quantize_per_token
     from leanlm.models.config import ModelConfig
 
     if paged.kernels.ops() is None:
         pytest.skip("no CPU kernels")
-    monkeypatch.setattr(paged, "keys_by_block", lambda *_: True)  # whatever this CPU's bf16 products
+    monkeypatch.setattr(paged, "keys_by_block", lambda *_: True)  # whatever this CPU's dot products
     cfg = ModelConfig("llama", 8, 128, 8, 2, 4, 2, 32, 256)
-    pool = KVPool(cfg, 6, 16, torch.bfloat16)
+    pool = KVPool(cfg, 6, 16, torch.bfloat16, int8=int8)
     assert pool.k[1].shape == (6, 2, 16, 16, 2) and pool.v[1].shape == (96, 2, 32)
     k, v = torch.randn(96, 2, 32).bfloat16(), torch.randn(96, 2, 32).bfloat16()
     slots = torch.randperm(96)
     pool.write(1, slots, k[slots], v[slots])
-    assert torch.equal(paged.take(pool.k[1], torch.arange(96)), k) and torch.equal(pool.read(1, slots)[0], k[slots])
-    assert torch.equal(paged.take(pool.k[1], slots.view(8, 12)), k[slots].view(8, 12, 2, 32))
+    codes = k
+    if int8:  # what the pool holds
+        (codes, ks), (vq, vs) = quantize_per_token(k), quantize_per_token(v)
+        k, v = dequantize_per_token(codes, ks, torch.bfloat16), dequantize_per_token(vq, vs, torch.bfloat16)
+    assert torch.equal(paged.take(pool.k[1], torch.arange(96)), codes) and torch.equal(pool.read(1, slots)[0], k[slots])
+    assert torch.equal(paged.take(pool.k[1], slots.view(8, 12)), codes[slots].view(8, 12, 2, 32))
     pool.copy_blocks([(4, 1)])
     assert torch.equal(pool.read(1, torch.arange(16, 32))[0], k[64:80])
     assert torch.equal(pool.read(1, torch.arange(16, 32))[1], v[64:80])

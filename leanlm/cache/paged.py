@@ -137,10 +137,9 @@ class KVPool:
         """Copy block src to block dst in every layer (a forked sequence's partial last block)."""
         if not pairs:
             return
-        bs, device = self.block_size, self.v[0].device
-        src = torch.tensor([s * bs + i for s, _ in pairs for i in range(bs)], device=device)
-        dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=device)
-        src_blocks, dst_blocks = (torch.tensor(list(b), device=device) for b in zip(*pairs))
+        src_blocks, dst_blocks = (torch.tensor(list(b), device=self.v[0].device) for b in zip(*pairs))
+        offsets = torch.arange(self.block_size, device=self.v[0].device)
+        src, dst = ((b[:, None] * self.block_size + offsets).flatten() for b in (src_blocks, dst_blocks))  # slots
         for store in (self.k, self.v, self.k_scale or [], self.v_scale or []):
             for t in store:
                 if t.dim() == 5:  # keys by block

@@ -1699,7 +1699,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     const PoolRows<S> values{vp, vs, Hkv, D};
     if (!blocked)
       attend_all(qp, PoolRows<S>{k.data_ptr<S>(), ks, Hkv, D}, values, tp, lp, out, B, H, Hkv, D, W, block_size);
-    else if constexpr (std::is_same_v<S, int8_t> || std::is_same_v<decltype(qp), bf16*>)
+    else if constexpr (std::is_same_v<S, int8_t> || std::is_same_v<decltype(qp), bf16*>)  // the checks allow no other
       attend_all(qp, BlockedKeys<S>{k.data_ptr<S>(), ks, Hkv, D, block_size}, values, tp, lp, out, B, H, Hkv, D, W,
                  block_size);
   };
@@ -2060,11 +2060,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
           const auto* pair =
               (const uint32_t*)BlockedKeys<bf16>{k.data_ptr<bf16>(), nullptr, Hkv, D, bs}.run(slot / bs, slot % bs, h);
           for (int64_t dp = 0; dp < D / 2; ++dp) kt[dp * 16 + i] = real ? pair[dp * bs] : 0;
-        } else if (blocked) {  // int8 codes: pair dp at entries 2 dp bs, + 1, times the (slot, kv head)'s scale
+        } else if (blocked) {  // int8 codes: pair dp one stride apart, times the (slot, kv head)'s scale
           const int64_t bs = k.size(3), slot = sp[real ? c0 + i : 0];
-          const int8_t* pair = BlockedKeys<int8_t>{k.data_ptr<int8_t>(), ks, Hkv, D, bs}.run(slot / bs, slot % bs, h);
+          const BlockedKeys<int8_t> keys{k.data_ptr<int8_t>(), ks, Hkv, D, bs};
+          const int8_t* first = keys.run(slot / bs, slot % bs, h);
           for (int64_t dp = 0; dp < D / 2; ++dp) {
-            const bf16 two[2] = {bf16(float(pair[2 * dp * bs]) * ks[e]), bf16(float(pair[2 * dp * bs + 1]) * ks[e])};
+            const int8_t* pair = first + dp * keys.stride();
+            const bf16 two[2] = {bf16(float(pair[0]) * ks[e]), bf16(float(pair[1]) * ks[e])};
             std::memcpy(kt + dp * 16 + i, real ? (const void*)two : &zero, 4);
           }
         } else {

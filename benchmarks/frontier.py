@@ -2,7 +2,7 @@
 
     python benchmarks/frontier.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--samples 128] [--seq-len 512]
                                   [--iters 50] [--max-tokens 16384] [--no-peer | --peers auto-round,hqq,...]
-                                  [--grids both|asymmetric|symmetric]
+                                  [--grids both|asymmetric|symmetric] [--methods gptq,awq,hqq,autoround]
 
 Calibration: --samples windows of --seq-len tokens of the built-in calibration split (seed 0, the windows
 `leanlm quantize` takes), written once to a safetensors file that leanlm and the peers read. Evaluation: leanlm's
@@ -147,8 +147,9 @@ class Frontier:
 def table(model: str, args) -> Table:
     f = Frontier(model, args)
     grids = {"both": (False, True), "asymmetric": (False,), "symmetric": (True,)}[args.grids]
+    methods = {"rtn", *args.methods.split(",")}  # RTN always: the table divides each gap by its
     runs = [("leanlm", label, bool(opts.get("symmetric")), *f.leanlm(method, opts)) for label, method, opts in LEANLM
-            if bool(opts.get("symmetric")) in grids]
+            if bool(opts.get("symmetric")) in grids and method in methods]
     if not args.no_peer:
         runs += [(tool, label, sym, *f.peer(method, sym)) for tool, method, sym in PEERS
                  if sym in grids and tool in args.peers.split(",")
@@ -196,6 +197,8 @@ def main() -> None:
     ap.add_argument("--llmc-python", default=LLMC_PYTHON, help="python with llmcompressor 0.14")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--peers", default="auto-round,hqq,llm-compressor", help="which peers to run")
+    ap.add_argument("--methods", default="gptq,awq,hqq,autoround",
+                    help="leanlm's methods to make besides RTN (which every table has)")
     ap.add_argument("--grids", choices=["both", "asymmetric", "symmetric"], default="both",
                     help="which int4 grids to make (asymmetric alone: half the variants)")
     args = ap.parse_args()

@@ -1394,7 +1394,7 @@ struct BlockedKeys {
   }
   f32x16 scales16(int64_t block, int64_t offset, int64_t h) const {  // the run's 16 tokens' scales
     f32x16 v;
-    for (int t = 0; t < 16; ++t) v[t] = scales[((block * bs + offset + t) * Hkv + h)];
+    for (int t = 0; t < 16; ++t) v[t] = scales[(block * bs + offset + t) * Hkv + h];
     return v;
   }
 };
@@ -1470,7 +1470,8 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
   float* scores = score_buf.data();  // [heads * G, width]
   f32x16 qv[kMaxVectors], rows[16 * kMaxRow];
   const float scale = 1.f / std::sqrt(float(D));
-  for (int64_t i = 0; i < heads * G * V; ++i) qv[i] = load16(q + h0 * G * D + i * 16) * scale;
+  if constexpr (!K::kBlocked)  // the rows' key pass reads the query as float vectors; keys by block read q itself
+    for (int64_t i = 0; i < heads * G * V; ++i) qv[i] = load16(q + h0 * G * D + i * 16) * scale;
   thread_local std::vector<int16_t> q16;  // int8 keys by block: the query heads rounded to int16, a scale each
   thread_local std::vector<float> qs;
   if constexpr (K::kBlocked && !K::kBf16) {
@@ -2055,20 +2056,26 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         const bool real = c0 + i < C;
         const int64_t e = sp[real ? c0 + i : 0] * Hkv + h;
         const bf16 *krow = blocked ? nullptr : row(k.data_ptr(), ks, e, kbuf), *vrow = row(v.data_ptr(), vs, e, vbuf);
-        if (blocked && !int8) {  // the key's channel pair dp is 32-bit word dp * bs from its first (BlockedKeys)
+        if (blocked) {  // the key's channel pair dp is one stride from its first (BlockedKeys); int8 codes times the
+                        // (slot, kv head)'s scale
           const int64_t bs = k.size(3), slot = sp[real ? c0 + i : 0];
-          const auto* pair =
-              (const uint32_t*)BlockedKeys<bf16>{k.data_ptr<bf16>(), nullptr, Hkv, D, bs}.run(slot / bs, slot % bs, h);
-          for (int64_t dp = 0; dp < D / 2; ++dp) kt[dp * 16 + i] = real ? pair[dp * bs] : 0;
-        } else if (blocked) {  // int8 codes: pair dp one stride apart, times the (slot, kv head)'s scale
-          const int64_t bs = k.size(3), slot = sp[real ? c0 + i : 0];
-          const BlockedKeys<int8_t> keys{k.data_ptr<int8_t>(), ks, Hkv, D, bs};
-          const int8_t* first = keys.run(slot / bs, slot % bs, h);
-          for (int64_t dp = 0; dp < D / 2; ++dp) {
-            const int8_t* pair = first + dp * keys.stride();
-            const bf16 two[2] = {bf16(float(pair[0]) * ks[e]), bf16(float(pair[1]) * ks[e])};
-            std::memcpy(kt + dp * 16 + i, real ? (const void*)two : &zero, 4);
-          }
+          auto copy_pairs = [&](const auto* base) {
+            using S = std::remove_cv_t<std::remove_pointer_t<decltype(base)>>;
+            const BlockedKeys<S> pool{base, ks, Hkv, D, bs};
+            const S* first = pool.run(slot / bs, slot % bs, h);
+            const auto entry = [&](S x) -> bf16 {
+              if constexpr (std::is_same_v<S, bf16>)
+                return x;
+              else
+                return bf16(float(x) * ks[e]);
+            };
+            for (int64_t dp = 0; dp < D / 2; ++dp) {
+              const S* pair = first + dp * pool.stride();
+              const bf16 two[2] = {entry(pair[0]), entry(pair[1])};
+              std::memcpy(kt + dp * 16 + i, real ? (const void*)two : &zero, 4);
+            }
+          };
+          int8 ? copy_pairs(k.data_ptr<int8_t>()) : copy_pairs(k.data_ptr<bf16>());
         } else {
           for (int64_t dp = 0; dp < D / 2; ++dp)
             std::memcpy(kt + dp * 16 + i, real ? (const void*)(krow + 2 * dp) : &zero, 4);

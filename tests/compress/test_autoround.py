@@ -19,15 +19,36 @@ def src(tmp_path):
     return tmp_path / "src"
 
 
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_no_steps_is_round_to_nearest(src, symmetric):
+def test_no_steps_is_round_to_nearest(src):
     tuned, rtn = load_model(src, torch.float32), load_model(src, torch.float32)
-    apply(tuned, AutoRound(group_size=32, iters=0, symmetric=symmetric), samples=SAMPLES)
-    apply(rtn, RTN(4, 32, symmetric=symmetric))
+    apply(tuned, AutoRound(group_size=32, iters=0), samples=SAMPLES)
+    apply(rtn, RTN(4, 32))
     for name, m in decoder_linears(rtn):
         ours = tuned.get_submodule(name)
         for buffer in ("weight_packed", "scales", "zeros"):
             assert torch.equal(getattr(ours, buffer), getattr(m, buffer)), (name, buffer)
+
+
+def _full_range(w: torch.Tensor, g: int) -> torch.Tensor:
+    """The auto-round package's symmetric grid by its definition: a group's extreme of larger magnitude e is code -8,
+    the step -e / 8, codes -8..7."""
+    groups = w.reshape(w.shape[0], -1, g)
+    hi, lo = groups.amax(-1, keepdim=True), groups.amin(-1, keepdim=True)
+    step = -torch.where(hi > -lo, hi, lo) / 8
+    return ((groups / step).round().clamp(-8, 7) * step).flatten(1)
+
+
+def test_no_steps_is_the_full_range_grid_when_symmetric(src):
+    ref, tuned = load_model(src, torch.float32), load_model(src, torch.float32)
+    apply(tuned, AutoRound(group_size=32, iters=0, symmetric=True), samples=SAMPLES)
+    for name, m in decoder_linears(ref):
+        expected = _full_range(m.weight.detach(), 32)
+        got = tuned.get_submodule(name).dequantized_weight()
+        assert torch.allclose(got, expected, rtol=2 ** -7, atol=0), name  # scales stored in bf16
+        groups = m.weight.detach().reshape(m.weight.shape[0], -1, 32)
+        error = (got - m.weight).abs().reshape(groups.shape) / (groups.abs().amax(-1, keepdim=True) / 8)
+        assert error.max() <= 1.05  # the other extreme, up to 8 steps away at code 7, loses up to one (+ bf16 scale)
+        assert (error <= 0.51).float().mean() > 0.99
 
 
 def test_grid_is_the_weight_it_was_tuned_with():
@@ -38,13 +59,13 @@ def test_grid_is_the_weight_it_was_tuned_with():
             for p in t.parameters():
                 p.uniform_(0.5, 1.0) if p is not t.v else p.uniform_(-0.5, 0.5)
         codes, scale, mid = t.grid()
-        assert int(codes.max()) <= 15  # the bias is not tuned; a symmetric grid has no lower clip ratio
-        assert list(t.parameters()) == ([t.v, t.alpha] if symmetric else [t.v, t.alpha, t.beta])
+        assert int(codes.max()) <= 15 and torch.all(scale > 0)
+        assert list(t.parameters()) == [t.v, t.alpha, t.beta]  # the bias is not tuned
         packed = W4A16Linear.from_codes(linear, 32, codes, scale, mid)
         expected = t.weight().detach()
         assert torch.allclose(packed.dequantized_weight(), expected, rtol=0, atol=0.02 * expected.abs().max())
-        if symmetric:
-            assert torch.all(mid == 0)
+        if symmetric:  # zero is a code: mid is 0, or one step where the codes were flipped for a positive scale
+            assert torch.all((mid == 0) | (mid == scale)) and torch.any(mid == 0) and torch.any(mid > 0)
 
 
 def _logit_error(model, ref) -> float:

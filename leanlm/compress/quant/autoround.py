@@ -7,7 +7,9 @@ paper's, SmolLM2-135M ended at 28.761 perplexity against 28.457, 50 steps, bench
     s = (alpha * max(W) - beta * min(W)) / 15,   z = round(-beta * min(W) / s)
     W~ = s * (clamp(round(W / s + V) + z, 0, 15) - z)
 
-(with `symmetric`: s = alpha * max|W| / 7 and codes -8..7). The block, its weights replaced by W~ (rounding passed
+(with `symmetric`, the package's full-range grid, as llama.cpp's Q4_0: the larger of alpha * max(W) and
+-beta * min(W) is put at code -8, s = -alpha * max(W) / 8 or -beta * min(W) / 8, codes -8..7, so every code is
+used and the step is 1/8 of that extreme, not 1/7). The block, its weights replaced by W~ (rounding passed
 straight through in the backward), is run on the inputs the already-quantized blocks give it, and its output is
 fitted to the float model's output of that block (mean squared error) on mini-batches of the calibration windows;
 each step moves every parameter by lr * sign(gradient), lr falling linearly to 0, and the parameters of the lowest
@@ -48,14 +50,15 @@ class TunedWeight(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()  # a tensor, not a parameter to tune
         self.w = linear.weight.detach().float().reshape(N, K // group_size, group_size)
         self.v = nn.Parameter(torch.zeros_like(self.w))
-        self.alpha = nn.Parameter(torch.ones(N, K // group_size, 1))  # of the largest weight (of |W| if symmetric)
-        self.beta = None if symmetric else nn.Parameter(torch.ones(N, K // group_size, 1))  # of the smallest
+        self.alpha = nn.Parameter(torch.ones(N, K // group_size, 1))  # of the largest weight
+        self.beta = nn.Parameter(torch.ones(N, K // group_size, 1))  # of the smallest
 
     def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.symmetric:
-            return (self.w.abs().amax(-1, keepdim=True) * self.alpha / 7).clamp_min(1e-9), torch.zeros_like(self.alpha)
         hi = self.w.amax(-1, keepdim=True).clamp_min(0) * self.alpha
         lo = self.w.amin(-1, keepdim=True).clamp_max(0) * self.beta
+        if self.symmetric:  # negative when the largest weight is the extreme, so that it lands on code -8
+            s = torch.where(hi > -lo, -hi, -lo) / 8
+            return torch.where(s < 0, s.clamp_max(-1e-9), s.clamp_min(1e-9)), torch.zeros_like(s)
         s = ((hi - lo) / 15).clamp_min(1e-9)
         return s, _round_ste(-lo / s).clamp(0, 15)
 
@@ -73,17 +76,20 @@ class TunedWeight(nn.Module):
     @torch.no_grad()
     def clamp_(self) -> None:
         self.v.clamp_(-0.5, 0.5)
-        for ratio in (self.alpha, self.beta):
-            if ratio is not None:
-                ratio.clamp_(0.0, 1.0)
+        self.alpha.clamp_(0.0, 1.0)
+        self.beta.clamp_(0.0, 1.0)
 
     @torch.no_grad()
     def grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes [N, K] 0..15, scale [N, K/g], mid [N, K/g]): weight = (codes - 8) * scale + mid."""
+        """(codes [N, K] 0..15, scale [N, K/g] > 0, mid [N, K/g]): weight = (codes - 8) * scale + mid."""
         s, z = self._scale_zero()
-        offset = 8 if self.symmetric else 0  # codes -8..7 are stored as 0..15
-        codes = (self._codes(s, z) + offset).to(torch.uint8).flatten(1)
-        return codes, s[..., 0], ((8 - offset - z) * s)[..., 0]
+        codes = self._codes(s, z)
+        if not self.symmetric:
+            return codes.to(torch.uint8).flatten(1), s[..., 0], ((8 - z) * s)[..., 0]
+        # c * s with s < 0 is (7 - c) * |s| + |s|: flipped codes, a positive scale and the weight at code 8 = |s|
+        flip = s < 0
+        codes = torch.where(flip, 7 - codes, codes + 8).to(torch.uint8).flatten(1)
+        return codes, s.abs()[..., 0], torch.where(flip, -s, 0.0)[..., 0]
 
 
 def tune_block(block: nn.Module, tuned: dict[str, TunedWeight], inputs: torch.Tensor, targets: torch.Tensor,

@@ -38,8 +38,9 @@ def quantize(
                                                           "layer whose K it does not divide gets the largest that does)")] = None,
     act_bits: Annotated[Optional[int], typer.Option(help="16 weight-only (default) or 8: per-token int8 activations "
                                                         "(rtn: W8A8 or W4A8; gptq/awq/hqq/autoround: W4A8)")] = None,
-    symmetric: Annotated[Optional[bool], typer.Option("--symmetric/--asymmetric", help="int4 grid: absmax codes -8..7 "
-                                                      "(llm-compressor's default scheme) or zero points (default); "
+    symmetric: Annotated[Optional[bool], typer.Option("--symmetric/--asymmetric", help="int4 grid: codes -8..7 "
+                                                      "(absmax / 7; autoround: the auto-round package's full range, "
+                                                      "the larger extreme at -8) or zero points (default); "
                                                       "8-bit weights are always symmetric")] = None,
     act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help="gptq: quantize columns by "
                                                       "decreasing Hessian diagonal (default on)")] = None,

@@ -1,11 +1,14 @@
 """Compiled decode steps for the engine: a step where every sequence feeds one token runs as one torch.compile'd
 graph (inductor fuses each layer's elementwise work; at one sequence the projections become the batch-1 runtime's
 streaming GEMVs). Shapes must be static, so the batch is padded up to a power of two (one graph per bucket) and
-the block tables to the longest a context can need; padded rows write their keys and values to a scratch block."""
+the block tables to the longest a context can need; padded rows write their keys and values to a scratch block.
+Padding is not free where the products are compute-bound (24 sequences run 32 rows): `build` times each bucket's
+graph against eager steps when it is built, and a batch runs eager where its bucket's graph is measured slower."""
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
 
 import torch
@@ -52,17 +55,49 @@ class CompiledPagedDecoder:
         self.model, self.pool, self.scratch = model, pool, scratch
         self.width = cdiv(model.config.max_position, pool.block_size)
         self.compiler = StepCompiler(model, _paged_step)
+        self.fewest: dict[int, int] = {}  # bucket -> the fewest sequences its graph runs (measured when first used)
+        self._eager: dict[int, float] = {}  # rows -> seconds of an eager step
 
     def build(self, max_seqs: int, log=lambda text: None) -> None:
-        """Compile now the graph of every bucket a batch of up to `max_seqs` sequences pads to (a step of that many
-        rows on the scratch block each), so that no request pays a compilation."""
+        """Compile and measure now the graph of every bucket a batch of up to `max_seqs` sequences pads to (a step
+        of that many rows on the scratch block each), so that no request pays a compilation."""
         sizes = BUCKETS[: bisect.bisect_left(BUCKETS, max_seqs) + 1]
         first = time.perf_counter()
         for size in sizes:
             start = time.perf_counter()
-            self.run([[self.scratch]] * size, [0] * size, [0] * size)
+            self._measure(size)
             log(f"compiled the decode step of {size} sequence{'s' * (size > 1)} in {time.perf_counter() - start:.0f} s")
-        log(f"{len(sizes)} compiled decode steps ready in {time.perf_counter() - first:.0f} s")
+        eager = ", ".join(f"{size // 2 + 1}-{n - 1} of {size}" for size in sizes
+                          if (n := self.fewest[size]) > size // 2 + 1)
+        log(f"{len(sizes)} compiled decode steps ready in {time.perf_counter() - first:.0f} s"
+            + (f"; eager, where padding costs more than the graph saves: {eager} sequences" if eager else ""))
+
+    def takes(self, num_seqs: int) -> bool:
+        """Whether a decode step of num_seqs sequences runs compiled: its bucket's graph measured faster than an
+        eager step of that many rows (a bucket not built yet is compiled and measured now)."""
+        if num_seqs > BUCKETS[-1]:
+            return False
+        size = next(b for b in BUCKETS if b >= num_seqs)
+        if size not in self.fewest:
+            self._measure(size)
+        return num_seqs >= self.fewest[size]
+
+    @torch.inference_mode()
+    def _measure(self, size: int) -> None:
+        """Compile the bucket's graph (if new) and set fewest[size] from its time and eager steps' at its size and
+        the bucket below's, each the best of 3 on the scratch block (attention, the same kernel on both paths and
+        one token here, is left out)."""
+        batch = _scratch_batch(self.scratch, size)
+        self.run(*batch)
+        graph = _best_time(lambda: self.run(*batch))
+        below = None if size == 1 else (size // 2, self._eager_time(size // 2))
+        self.fewest[size] = fewest_compiled(size, graph, self._eager_time(size), below)
+
+    def _eager_time(self, rows: int) -> float:
+        if rows not in self._eager:
+            inputs = self._inputs(*_scratch_batch(self.scratch, rows))
+            self._eager[rows] = _best_time(lambda: _paged_step(self.model, **inputs))
+        return self._eager[rows]
 
     @staticmethod
     def supports(pool: KVPool) -> bool:
@@ -72,15 +107,48 @@ class CompiledPagedDecoder:
     @torch.inference_mode()
     def run(self, tables: list[list[int]], positions: list[int], tokens: list[int]) -> torch.Tensor:
         """One token per sequence at `positions` -> logits [B, V] (B = len(tokens) <= BUCKETS[-1])."""
-        B, bs = len(tokens), self.pool.block_size
+        B = len(tokens)
         size = next(b for b in BUCKETS if b >= B)
         pad = size - B
-        table = torch.zeros(size, self.width, dtype=torch.int32)
+        inputs = self._inputs(tables + [[self.scratch]] * pad, positions + [0] * pad, tokens + [0] * pad)
+        return self.compiler((size, self.pool.block_size), inputs)[:B]
+
+    def _inputs(self, tables: list[list[int]], positions: list[int], tokens: list[int]) -> dict:
+        """_paged_step's inputs for one token per sequence, block tables as wide as the longest context."""
+        bs = self.pool.block_size
+        table = torch.zeros(len(tables), self.width, dtype=torch.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        slots = [slot_of(t, p, bs) for t, p in zip(tables, positions)] + [self.scratch * bs] * pad
-        inputs = dict(tokens=torch.tensor(tokens + [0] * pad), positions=torch.tensor(positions + [0] * pad),
-                      slots=torch.tensor(slots), tables=table, lens=torch.tensor([p + 1 for p in positions] + [1] * pad,
-                                                                               dtype=torch.int32),
-                      k=self.pool.k, v=self.pool.v, block_size=bs)
-        return self.compiler((size, bs), inputs)[:B]
+        return dict(tokens=torch.tensor(tokens), positions=torch.tensor(positions),
+                    slots=torch.tensor([slot_of(t, p, bs) for t, p in zip(tables, positions)]), tables=table,
+                    lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32), k=self.pool.k, v=self.pool.v,
+                    block_size=bs)
+
+
+def fewest_compiled(size: int, graph: float, eager: float, below: tuple[int, float] | None) -> int:
+    """The fewest sequences a bucket's graph should run: graph and eager, the seconds of its graph and of an eager
+    step of `size` rows; below, (rows, eager seconds) of the bucket below (None for the first). The first B above
+    `below` for which an eager step, taken as linear in B between the two eager times, is no faster than the graph;
+    size + 1 if eager wins even unpadded."""
+    if below is None:
+        return 1
+    lo, t_lo = below
+    if graph <= t_lo:
+        return lo + 1
+    if graph > eager:
+        return size + 1
+    return lo + max(1, math.ceil((graph - t_lo) / (eager - t_lo) * (size - lo) - 1e-9))
+
+
+def _best_time(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _scratch_batch(scratch: int, size: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """(tables, positions, tokens) of `size` sequences at position 0 of the scratch block."""
+    return [[scratch]] * size, [0] * size, [0] * size

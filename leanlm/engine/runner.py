@@ -9,7 +9,6 @@ import torch
 
 from leanlm.cache.paged import KVPool
 from leanlm.cache.paged_attention import PagedStep, paged_kernel
-from leanlm.engine.compiled import BUCKETS
 from leanlm.engine.scheduler import ScheduledBatch
 from leanlm.engine.sequence import Sequence
 from leanlm.errors import LeanLMError
@@ -51,7 +50,7 @@ class Runner:
         if self.deterministic:
             return self._run_tiles(batch)
         dev = self.model.device
-        if self.compiled is not None and len(batch) <= BUCKETS[-1] and all(n == 1 for n in batch.counts):
+        if self.compiled is not None and all(n == 1 for n in batch.counts) and self.compiled.takes(len(batch)):
             return Forward(batch.seqs, self.compiled.run(batch.block_tables, batch.starts,
                                                          [s.token_ids[-1] for s in batch.seqs]), [])
         tokens, positions = [], []

@@ -7,6 +7,7 @@ import torch
 
 from leanlm.cache.paged import KVPool
 from leanlm.engine import LLM, Engine, EngineConfig
+from leanlm.engine.compiled import fewest_compiled
 from leanlm.engine.config import engine_config
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import generate_ids
@@ -218,7 +219,40 @@ def test_compiled_decode_steps_equal_one_by_one(tiny):
     engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, compile=True))
     assert engine.runner.compiled is not None
     assert_greedy_lengths_equal_one_by_one(engine, model, prompts(5, seed=4), (3, 9, 9, 12, 12))
-    assert len(engine.runner.compiled.compiler._plans) >= 2  # buckets 8 -> 4 -> 2 as sequences finish
+    compiled = engine.runner.compiled
+    assert len(compiled.compiler._plans) >= 2  # buckets 8 -> 4 -> 2 as sequences finish
+    assert set(compiled.fewest) == {key[0] for key in compiled.compiler._plans}  # each measured when first used
+
+
+def test_compiled_buckets_run_only_the_batches_they_were_measured_faster_for(tiny, monkeypatch):
+    """After build, a bucket's graph takes a batch only from its measured fewest sequences up; smaller batches of
+    that bucket run eager steps (no padding), and the tokens are the same either way."""
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, compile=True, max_num_seqs=5))
+    compiled = engine.runner.compiled
+    engine.build_graphs()
+    assert sorted(compiled.fewest) == [1, 2, 4, 8]
+    assert all(size // 2 + 1 <= n <= size + 1 for size, n in compiled.fewest.items() if size > 1)
+    compiled.fewest = {1: 1, 2: 3, 4: 4, 8: 7}  # bucket 2 never, 3 of 4 eager, 5 and 6 of 8 eager
+    assert [compiled.takes(n) for n in range(1, 9)] == [True, False, False, True, False, False, True, True]
+    sizes = []
+    run = compiled.run
+    monkeypatch.setattr(compiled, "run", lambda tables, *rest: sizes.append(len(tables)) or run(tables, *rest))
+    assert_greedy_lengths_equal_one_by_one(engine, model, prompts(5, seed=4), (3, 9, 9, 12, 12))
+    assert sizes and set(sizes) <= {1, 4, 7, 8}
+
+
+def test_fewest_compiled_is_where_the_eager_line_reaches_the_graph():
+    """fewest_compiled against its definition, B by B: the graph of B's bucket is no slower than an eager step,
+    linear in B between the eager times measured at the bucket below and at the bucket."""
+    rng = random.Random(0)
+    for _ in range(1000):
+        lo, size = rng.choice([(1, 2), (2, 4), (8, 16), (64, 128)])
+        t_lo, t_hi = sorted(rng.uniform(1, 10) for _ in range(2))
+        graph = rng.uniform(0.5, 11)
+        wins = [B for B in range(lo + 1, size + 1) if graph <= t_lo + (t_hi - t_lo) * (B - lo) / (size - lo)]
+        assert fewest_compiled(size, graph, t_hi, (lo, t_lo)) == (wins[0] if wins else size + 1)
+    assert fewest_compiled(1, 5.0, 1.0, None) == 1
 
 
 def assert_greedy_lengths_equal_one_by_one(engine, model, ps, lengths) -> None:

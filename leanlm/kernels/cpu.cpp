@@ -2035,12 +2035,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK(sp[i] >= 0 && sp[i] < v.size(0), "prefill_attention: slot ", sp[i], " is not in the pool");
   const bf16* qp = qc.data_ptr<bf16>();
   const float *ks = int8 ? k_scale->data_ptr<float>() : nullptr, *vs = int8 ? v_scale->data_ptr<float>() : nullptr;
-  // entry e = slot Hkv + kv head of a pool as bf16: in place, or an int8 row's codes times its scale in `buf`, as
-  // cache.int8.dequantize_per_token reads them
+  // an int8 entry as bf16: its code times its (slot, kv head)'s scale, as cache.int8.dequantize_per_token reads it
+  const auto int8_entry = [](int8_t code, float scale) { return bf16(float(code) * scale); };
+  // entry e = slot Hkv + kv head of a pool as bf16: in place, or an int8 row's entries in `buf`
   auto row = [&](const void* pool, const float* scales, int64_t e, bf16* buf) -> const bf16* {
     if (!scales) return (const bf16*)pool + e * D;
     const int8_t* c = (const int8_t*)pool + e * D;
-    for (int64_t d = 0; d < D; ++d) buf[d] = bf16(float(c[d]) * scales[e]);
+    for (int64_t d = 0; d < D; ++d) buf[d] = int8_entry(c[d], scales[e]);
     return buf;
   };
   std::vector<bf16> keys(Hkv * Cp * D), values(Hkv * D * Cp);
@@ -2056,8 +2057,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         const bool real = c0 + i < C;
         const int64_t e = sp[real ? c0 + i : 0] * Hkv + h;
         const bf16 *krow = blocked ? nullptr : row(k.data_ptr(), ks, e, kbuf), *vrow = row(v.data_ptr(), vs, e, vbuf);
-        if (blocked) {  // the key's channel pair dp is one stride from its first (BlockedKeys); int8 codes times the
-                        // (slot, kv head)'s scale
+        if (blocked) {  // the key's channel pair dp is one stride from its first (BlockedKeys)
           const int64_t bs = k.size(3), slot = sp[real ? c0 + i : 0];
           auto copy_pairs = [&](const auto* base) {
             using S = std::remove_cv_t<std::remove_pointer_t<decltype(base)>>;
@@ -2067,7 +2067,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               if constexpr (std::is_same_v<S, bf16>)
                 return x;
               else
-                return bf16(float(x) * ks[e]);
+                return int8_entry(x, ks[e]);
             };
             for (int64_t dp = 0; dp < D / 2; ++dp) {
               const S* pair = first + dp * pool.stride();

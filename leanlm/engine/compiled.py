@@ -2,8 +2,9 @@
 graph (inductor fuses each layer's elementwise work; at one sequence the projections become the batch-1 runtime's
 streaming GEMVs). Shapes must be static, so the batch is padded up to a power of two (one graph per bucket) and
 the block tables to the longest a context can need; padded rows write their keys and values to a scratch block.
-Padding is not free where the products are compute-bound (24 sequences run 32 rows): `build` times each bucket's
-graph against eager steps when it is built, and a batch runs eager where its bucket's graph is measured slower."""
+Padding is not free where the products are compute-bound (24 sequences run 32 rows): each bucket's graph is timed
+against eager steps when it is built (`build`, or its first use), and a batch runs eager where its bucket's graph
+is measured slower."""
 
 from __future__ import annotations
 

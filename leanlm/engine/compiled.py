@@ -22,6 +22,11 @@ from leanlm.generation.compiled import StepCompiler
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+def bucket_of(num_seqs: int) -> int:
+    """The batch size a step of num_seqs sequences pads to (num_seqs <= BUCKETS[-1])."""
+    return BUCKETS[bisect.bisect_left(BUCKETS, num_seqs)]
+
+
 class _SlotWrites:
     """The KVCache of a compiled decode step: writes at given slots, attends by the paged-attention kernel."""
 
@@ -78,7 +83,7 @@ class CompiledPagedDecoder:
         eager step of that many rows (a bucket not built yet is compiled and measured now)."""
         if num_seqs > BUCKETS[-1]:
             return False
-        size = next(b for b in BUCKETS if b >= num_seqs)
+        size = bucket_of(num_seqs)
         if size not in self.fewest:
             self._measure(size)
         return num_seqs >= self.fewest[size]
@@ -109,7 +114,7 @@ class CompiledPagedDecoder:
     def run(self, tables: list[list[int]], positions: list[int], tokens: list[int]) -> torch.Tensor:
         """One token per sequence at `positions` -> logits [B, V] (B = len(tokens) <= BUCKETS[-1])."""
         B = len(tokens)
-        size = next(b for b in BUCKETS if b >= B)
+        size = bucket_of(B)
         pad = size - B
         inputs = self._inputs(tables + [[self.scratch]] * pad, positions + [0] * pad, tokens + [0] * pad)
         return self.compiler((size, self.pool.block_size), inputs)[:B]

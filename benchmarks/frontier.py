@@ -202,6 +202,10 @@ def main() -> None:
     ap.add_argument("--grids", choices=["both", "asymmetric", "symmetric"], default="both",
                     help="which int4 grids to make (asymmetric alone: half the variants)")
     args = ap.parse_args()
+    for option, names, known in (("--methods", args.methods, {method for _, method, _ in LEANLM}),
+                                 ("--peers", args.peers, {tool for tool, _, _ in PEERS})):
+        if unknown := set(names.split(",")) - known:
+            ap.error(f"{option}: unknown {', '.join(sorted(unknown))}")
     out = Console(width=170)
     for model in args.models.split(","):
         out.print(table(model, args))

@@ -2,7 +2,7 @@
 Q2_K, and the decode kernel that reads them.
 
     python benchmarks/codebook.py [--model smollm2-135m] [--bits 2] [--samples 128] [--iters 100]
-                                  [--distill-steps 200] [--sections k,m]
+                                  [--distill-steps 200] [--sections k,m] [--wide PROJ,...] [--skip NAME,...]
 
 k (kernel): microseconds of one decoder layer's gate_up_proj + down_proj (the default model's shapes) at 1-16 rows of
   x, over 40 layers' distinct weights in turn so that weights come from memory as in a model: bf16 (torch's GEMM and
@@ -19,7 +19,8 @@ m (model): each variant made once in a fresh process on the same --samples x 512
   "+ distillation" is the recipe `[aqlm, {method: distill, steps: --distill-steps}]` (AQLM's end-to-end fine-tuning:
   codebooks, scales and norms trained on the bf16 model's distributions over the calibration split, 4 x 256 tokens
   a step): its distill step runs on the AQLM row's cached model, as the pipeline runs it after the aqlm step, and
-  its seconds are both steps'.
+  its seconds are both steps'. --wide mlp.down_proj,self_attn.o_proj adds AQLM with one more codebook on those
+  projections (a recipe's `layers`; bits/weight still counts every projection), distilled the same way.
 """
 
 from __future__ import annotations
@@ -182,9 +183,16 @@ def model_table(args) -> Table:
     me = str(Path(__file__).resolve())
     variants = [("GPTQ W4A16 g128", "gptq", {}), ("RTN W4A16 g128", "rtn", {"bits": 4})]
     variants += [(f"AQLM {b}x8", "aqlm", {"bits": b, "iters": args.iters}) for b in args.bits]
+    variants = [v for v in variants if v[1] not in args.skip]
+    wide = [p for p in args.wide.split(",") if p]
+    variants += [(f"AQLM {b}x8, {' and '.join(wide)} {b + 1}x8", "aqlm",
+                  {"bits": b, "iters": args.iters, "layers": {f"layers.*.{p}": b + 1 for p in wide}})
+                 for b in args.bits if wide]
     runs = []
     for label, method, options in variants:
-        out = root / "-".join([method, *(f"{k}{v}" for k, v in sorted(options.items()))])
+        layers = ",".join(p.split(".")[-1] for p in options.get("layers", {}))
+        out = root / "-".join([method, *(f"{k}{v}" for k, v in sorted(options.items()) if k != "layers"),
+                               *([f"wide-{layers}"] if layers else [])])
         err.print(f"[dim]{args.model}: {label}[/]")
         runs.append((label, out, measured([sys.executable, me, "--child", args.model, method, json.dumps(options),
                                            str(calibration), str(out)], out)))
@@ -195,10 +203,11 @@ def model_table(args) -> Table:
                              str(tuned)], tuned)
             runs.append((f"{label} + distillation ({args.distill_steps} steps)", tuned,
                          {"seconds": runs[-1][2]["seconds"] + cost["seconds"], "peak_mb": cost.get("peak_mb")}))
-    q2k = root / "q2k-imatrix.gguf"
-    err.print(f"[dim]{args.model}: Q2_K[/]")
-    runs.append(("llama.cpp Q2_K + imatrix (leanlm's writer)", q2k,
-                 measured([sys.executable, me, "--q2k-child", args.model, str(calibration), str(q2k)], q2k)))
+    if "q2k" not in args.skip:
+        q2k = root / "q2k-imatrix.gguf"
+        err.print(f"[dim]{args.model}: Q2_K[/]")
+        runs.append(("llama.cpp Q2_K + imatrix (leanlm's writer)", q2k,
+                     measured([sys.executable, me, "--q2k-child", args.model, str(calibration), str(q2k)], q2k)))
     record = root / f"quality{args.max_tokens}.json"
     if record.exists() and [r["model"] for r in json.loads(record.read_text())[1:]] != [str(p) for _, p, _ in runs]:
         record.unlink()  # scored other variants
@@ -238,9 +247,15 @@ def main() -> None:
     ap.add_argument("--distill-steps", type=int, default=200,
                     help="steps of AQLM's end-to-end distillation after each AQLM row (0: none)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="evaluation tokens")
+    ap.add_argument("--wide", default="", help="also AQLM with one more codebook on these projections, "
+                                               "comma-separated (e.g. mlp.down_proj,self_attn.o_proj)")
+    ap.add_argument("--skip", default="", help="variants not to make: gptq, rtn, aqlm (the uniform rows), q2k")
     ap.add_argument("--sections", default="k,m", help="k: kernel, m: models")
     args = ap.parse_args()
     args.bits = [int(b) for b in args.bits.split(",")]
+    args.skip = {name for name in args.skip.split(",") if name}
+    if args.skip - {"gptq", "rtn", "aqlm", "q2k"}:
+        ap.error(f"--skip: unknown variants {', '.join(sorted(args.skip - {'gptq', 'rtn', 'aqlm', 'q2k'}))}")
     out = Console(width=160)
     if "k" in args.sections:
         out.print(kernel_table())

@@ -30,7 +30,7 @@ def quantize(
     recipe: Annotated[Optional[Path], typer.Option(help="YAML list of steps applied in order, each a method and "
                                                         "its options, e.g. `- method: smooth` then `- {method: rtn, "
                                                         "bits: 8, act_bits: 8}`; rtn also takes per-projection `layers: {GLOB: 4 | 8 | 16 | "
-                                                        "{bits: 4, group_size: 32}}`")] = None,
+                                                        "{bits: 4, group_size: 32}}`, aqlm `layers: {GLOB: 1-4 codebooks}`")] = None,
     bits: Annotated[Optional[int], typer.Option(help="weight bits: 8 (per-channel int8) or 4 (int4 groups); aqlm: "
                                                     "1-4 (8-bit codebooks per 8 weights); default: the method's (rtn "
                                                     "8, gptq/awq/hqq/autoround 4, aqlm 2)")] = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from fnmatch import fnmatchcase
 
 from torch import nn
 
@@ -78,3 +79,17 @@ def decoder_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
         if name.startswith("layers.") and isinstance(module, Linear):
             yield name, module
 
+
+
+def last_match(layers: dict | None, name: str) -> str | None:
+    """The last pattern of a method's `layers` (projection names or globs) that matches `name`; None if none does."""
+    return next((p for p in reversed(list(layers or {})) if fnmatchcase(name, p)), None)
+
+
+def check_patterns(method: str, layers: dict, names: list[str]) -> None:
+    """A LeanLMError naming every pattern of `layers` that matches none of `names` (a typo would otherwise quietly
+    give those projections the method's default)."""
+    unmatched = [p for p in layers if not any(fnmatchcase(name, p) for name in names)]
+    if unmatched:
+        raise LeanLMError(f"{method} layers: {', '.join(map(repr, unmatched))} match no decoder projection left in "
+                          f"float (names look like {names[0] if names else 'layers.0.mlp.down_proj'!r})")

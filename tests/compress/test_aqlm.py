@@ -93,8 +93,32 @@ def test_block_tuning_fits_the_float_model_better_and_saves_exactly(tmp_path):
     assert _logit_error(again, model) == 0.0
 
 
+def test_layers_give_projections_their_own_codebooks_and_save(tmp_path):
+    make_hf_model("llama", tmp_path / "src")
+    model = load_model(tmp_path / "src", torch.float32)
+    config = AQLM(bits=2, iters=0, fit_steps=2, rounds=1, kmeans_iters=1,
+                  layers={"layers.*.mlp.down_proj": 3, "layers.0.mlp.down_proj": 1})
+    records = apply(model, config, samples=SAMPLES)
+    codebooks = {n: model.get_submodule(n).codebooks.shape[0] for n in records}
+    assert codebooks["layers.0.mlp.down_proj"] == 1 and codebooks["layers.1.mlp.down_proj"] == 3
+    assert {c for n, c in codebooks.items() if not n.endswith("down_proj")} == {2}
+    out = tmp_path / "q"
+    out.mkdir()
+    qformat.save(model, records, config, tmp_path / "src", out)
+    again = load_model(out, torch.float32)
+    assert {n: again.get_submodule(n).codebooks.shape[0] for n in records} == codebooks
+    assert _logit_error(again, model) == 0.0
+
+
+def test_a_layers_pattern_that_matches_nothing_is_an_error(tmp_path):
+    make_hf_model("llama", tmp_path / "src")
+    with pytest.raises(LeanLMError, match="'layers.\\*.mlp.down' match no decoder projection"):
+        apply(load_model(tmp_path / "src", torch.float32), AQLM(layers={"layers.*.mlp.down": 3}), samples=SAMPLES)
+
+
 @pytest.mark.parametrize("kwargs", [dict(bits=5), dict(bits=0), dict(iters=-1), dict(rounds=0), dict(lr=0.0),
-                                    dict(batch_size=0)])
+                                    dict(batch_size=0), dict(layers={"layers.*.mlp.down_proj": 5}),
+                                    dict(layers={"layers.*": True}), dict(layers=["layers.*"])])
 def test_bad_options(kwargs):
     with pytest.raises(LeanLMError):
         AQLM(**kwargs)

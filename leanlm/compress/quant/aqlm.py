@@ -21,7 +21,7 @@ codes greedily (no beam) and feeds errors forward as GPTVQ does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 
 from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, fit_block, input_stats, reconstruct
 from leanlm.compress.obs import Pending, check_solver_args, inverse_cholesky, obs_update, solver_inputs
-from leanlm.compress.registry import register
+from leanlm.compress.registry import check_patterns, decoder_linears, last_match, register
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.codebook import DIM, ENTRIES, AdditiveLinear, codebook_weight
@@ -201,7 +201,10 @@ class TunedCodebook(nn.Module):
 class AQLM:
     """Additive codebooks onto lowbit.codebook's kernel. bits: codebooks of 8-bit codes per 8 weights (1-4, bits a
     weight before the codebooks and scales); iters: Adam steps of each block's codebooks and scales on its output
-    (0: layer fits only); rounds: code assignments alternating with codebook fits per layer."""
+    (0: layer fits only); rounds: code assignments alternating with codebook fits per layer.
+
+    layers (mixed precision, recipes only): {projection name or glob such as "layers.*.mlp.down_proj": codebooks}
+    overrides bits per projection (1-4; the last matching pattern wins)."""
 
     name: ClassVar[str] = "aqlm"
     kind: ClassVar[str] = "quantize"
@@ -215,16 +218,30 @@ class AQLM:
     batch_size: int = DEFAULT_BATCH_SIZE
     damp: float = 0.01
     seed: int = 0
+    layers: dict | None = field(default=None, hash=False)  # a dict cannot be hashed; the other fields identify it
 
     def __post_init__(self):
-        if self.bits not in (1, 2, 3, 4):
-            raise LeanLMError(f"aqlm bits={self.bits!r}: use 1 to 4 (codebooks of 8-bit codes per 8 weights)")
+        for where, bits in [("bits", self.bits), *((f"layers[{p!r}]", b) for p, b in self._layers().items())]:
+            if isinstance(bits, bool) or bits not in (1, 2, 3, 4):
+                raise LeanLMError(f"aqlm {where}={bits!r}: use 1 to 4 (codebooks of 8-bit codes per 8 weights)")
         for option, least in {"iters": 0, "rounds": 1, "fit_steps": 0, "kmeans_iters": 0, "batch_size": 1}.items():
             value = getattr(self, option)
             if not isinstance(value, int) or value < least:
                 raise LeanLMError(f"aqlm {option}={value!r} must be a whole number >= {least}")
         if not self.lr > 0:
             raise LeanLMError(f"aqlm lr={self.lr!r} must be > 0")
+
+    def _layers(self) -> dict:
+        if self.layers is not None and not (isinstance(self.layers, dict) and all(isinstance(p, str) for p in
+                                                                                  self.layers)):
+            raise LeanLMError(f"aqlm layers must map projection names (or globs) to codebooks, got {self.layers!r}")
+        return self.layers or {}
+
+    def codebooks(self, name: str) -> int:
+        """Codebooks of the projection `name` (e.g. layers.3.mlp.down_proj): its last matching `layers` pattern's,
+        else bits."""
+        pattern = last_match(self.layers, name)
+        return self.bits if pattern is None else self.layers[pattern]
 
 
 def _tune(block: nn.Module, tuned: dict[str, TunedCodebook], inputs: torch.Tensor, targets: torch.Tensor, rope: tuple,
@@ -247,12 +264,15 @@ def aqlm(model, config: AQLM, progress=None, samples=None) -> dict[str, dict]:
     """Block by block (calibrate.reconstruct): each projection fitted on its Hessian over the block's
     quantized-model inputs, then the block's codebooks and scales tuned on its output, then packed."""
     generator = torch.Generator().manual_seed(config.seed)
+    if config.layers:
+        check_patterns("aqlm", config.layers, [name for name, _ in decoder_linears(model)])
 
     def step(i, block, linears, inputs, targets, rope, run):
         hessians = input_stats(linears, lambda linear: Hessian(linear.in_features), lambda: run(block, inputs))
         tuned = {}
         for name, linear in linears.items():
-            fitted = aqlm_quantize(linear.weight.detach().float(), hessians[name].value, config.bits, config.rounds,
+            codebooks = config.codebooks(f"layers.{i}.{name}")
+            fitted = aqlm_quantize(linear.weight.detach().float(), hessians[name].value, codebooks, config.rounds,
                                    config.kmeans_iters, config.fit_steps, config.lr, config.damp, config.seed + i)
             tuned[name] = TunedCodebook(linear.bias, *fitted)
             replace(block, name, tuned[name])

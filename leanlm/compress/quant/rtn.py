@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import ClassVar
 
-from leanlm.compress.registry import decoder_linears, register
+from leanlm.compress.registry import check_patterns, decoder_linears, last_match, register
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import SCHEMES, W4A8Linear, W4A16Linear
 from leanlm.lowbit.record import replace
@@ -78,11 +77,8 @@ class RTN:
 
     def layer_bits(self, name: str) -> tuple[int, int]:
         """(bits, group size) of the projection `name`: the last `layers` pattern that matches it, else the default."""
-        chosen = (self.bits, self.group_size)
-        for pattern, value in (self.layers or {}).items():
-            if fnmatchcase(name, pattern):
-                chosen = self._parse(pattern, value)
-        return chosen
+        pattern = last_match(self.layers, name)
+        return (self.bits, self.group_size) if pattern is None else self._parse(pattern, self.layers[pattern])
 
     def scheme_for(self, bits: int) -> str:
         return {(4, 16): "w4a16", (4, 8): "w4a8", (8, 16): "w8a16", (8, 8): "w8a8"}[bits, self.act_bits]
@@ -153,10 +149,7 @@ def rtn(model, config: RTN, progress=None, samples=None) -> dict[str, dict]:
     if not config.layers:
         return quantize_decoder(model, config.scheme, config.group_size, progress, config.symmetric)
     linears = list(decoder_linears(model))
-    unmatched = [p for p in config.layers if not any(fnmatchcase(name, p) for name, _ in linears)]
-    if unmatched:  # a typo would otherwise quietly give those layers the default bits
-        raise LeanLMError(f"rtn layers: {', '.join(map(repr, unmatched))} match no decoder projection left in float "
-                          f"(names look like {linears[0][0] if linears else 'layers.0.mlp.down_proj'!r})")
+    check_patterns("rtn", config.layers, [name for name, _ in linears])
     records = {}
     for name, linear in linears:
         bits, group_size = config.layer_bits(name)

@@ -2,8 +2,7 @@
 
     python benchmarks/frontier.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--samples 128] [--seq-len 512]
                                   [--iters 50] [--max-tokens 16384] [--no-peer | --peers auto-round,hqq,...]
-                                  [--grids both|asymmetric|symmetric]
-                                  [--methods gptq,awq,hqq,autoround[,autoround-gptq]]
+                                  [--grids both|asymmetric|symmetric] [--methods gptq,awq,hqq,autoround]
 
 Calibration: --samples windows of --seq-len tokens of the built-in calibration split (seed 0, the windows
 `leanlm quantize` takes), written once to a safetensors file that leanlm and the peers read. Evaluation: leanlm's
@@ -11,8 +10,7 @@ perplexity on the first --max-tokens of the evaluation split (windows 1024, stri
 agreement to the bf16 model, in one process for every row (the peers' models are written back dequantized, so the
 same code scores them). Every decoder projection gets int4 groups of 128 along K (64 where 128 does not divide K,
 on both sides); embeddings and lm_head stay bf16. Asymmetric (zero points) and, where a tool has it, symmetric.
-AutoRound runs --iters steps per block on both sides (the package's default is 200; 50 keeps the run near an hour);
-"autoround-gptq" adds leanlm's AutoRound started from each projection's GPTQ solution (init gptq).
+AutoRound runs --iters steps per block on both sides (the package's default is 200; 50 keeps the run near an hour).
 Peers, each in its own virtual environment (benchmarks/frontier_peer.py): `auto-round` 0.16.1 and `hqq` 0.2.8
 (--frontier-python), llm-compressor 0.14 GPTQ (--llmc-python). Every variant is made in a fresh process ("s" is
 the method alone, loading and saving left out; "peak MB" its own peak RSS) and cached under
@@ -40,9 +38,7 @@ LLMC_PYTHON = "/work/venvs/llmc/bin/python"  # llmcompressor 0.14.0
 # (label, method, options); group_size 128 for all
 LEANLM = [("RTN", "rtn", {"bits": 4}), ("RTN", "rtn", {"bits": 4, "symmetric": True}),
           ("GPTQ", "gptq", {}), ("GPTQ", "gptq", {"symmetric": True}), ("AWQ", "awq", {}),
-          ("HQQ", "hqq", {}), ("AutoRound", "autoround", {}), ("AutoRound", "autoround", {"symmetric": True}),
-          ("AutoRound from GPTQ", "autoround", {"init": "gptq"}),
-          ("AutoRound from GPTQ", "autoround", {"init": "gptq", "symmetric": True})]
+          ("HQQ", "hqq", {}), ("AutoRound", "autoround", {}), ("AutoRound", "autoround", {"symmetric": True})]
 PEERS = [("auto-round", "autoround", False), ("auto-round", "autoround", True), ("hqq", "hqq", False),
          ("llm-compressor", "gptq", False), ("llm-compressor", "gptq", True)]
 
@@ -101,11 +97,6 @@ def format_bits(model: str, group_size: int, zero_point: bool) -> float:
     return bits / sum(K * N for K, N in shapes)
 
 
-def method_key(method: str, options: dict) -> str:
-    """The --methods name of a LEANLM row: its method, and its init where it has one (autoround-gptq)."""
-    return "-".join([method, *([options["init"]] if "init" in options else [])])
-
-
 class Frontier:
     def __init__(self, model: str, args):
         from leanlm.fetch import cache_dir
@@ -158,7 +149,7 @@ def table(model: str, args) -> Table:
     grids = {"both": (False, True), "asymmetric": (False,), "symmetric": (True,)}[args.grids]
     methods = {"rtn", *args.methods.split(",")}  # RTN always: the table divides each gap by its
     runs = [("leanlm", label, bool(opts.get("symmetric")), *f.leanlm(method, opts)) for label, method, opts in LEANLM
-            if bool(opts.get("symmetric")) in grids and method_key(method, opts) in methods]
+            if bool(opts.get("symmetric")) in grids and method in methods]
     if not args.no_peer:
         runs += [(tool, label, sym, *f.peer(method, sym)) for tool, method, sym in PEERS
                  if sym in grids and tool in args.peers.split(",")
@@ -207,11 +198,11 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--peers", default="auto-round,hqq,llm-compressor", help="which peers to run")
     ap.add_argument("--methods", default="gptq,awq,hqq,autoround",
-                    help="leanlm's methods to make besides RTN (which every table has); also autoround-gptq")
+                    help="leanlm's methods to make besides RTN (which every table has)")
     ap.add_argument("--grids", choices=["both", "asymmetric", "symmetric"], default="both",
                     help="which int4 grids to make (asymmetric alone: half the variants)")
     args = ap.parse_args()
-    for option, names, known in (("--methods", args.methods, {method_key(m, opts) for _, m, opts in LEANLM}),
+    for option, names, known in (("--methods", args.methods, {method for _, method, _ in LEANLM}),
                                  ("--peers", args.peers, {tool for tool, _, _ in PEERS})):
         if unknown := set(names.split(",")) - known:
             ap.error(f"{option}: unknown {', '.join(sorted(unknown))}")

@@ -15,10 +15,6 @@ fitted to the float model's output of that block (mean squared error) on mini-ba
 each step moves every parameter by lr * sign(gradient), lr falling linearly to 0, and the parameters of the lowest
 loss seen are kept. https://arxiv.org/abs/2309.05516 (Cheng et al., "Optimize Weight Rounding via Signed Gradient
 Descent"; the `auto-round` package's defaults: 200 steps, mini-batches of 8, lr 1 / steps).
-
-With init "gptq" the tuning starts from GPTQ's solution instead of round-to-nearest: each projection of the block is
-first solved by GPTQ on the block's quantized-model inputs, and W above is that solution (its codes are V = 0), so
-the tuning moves each code by at most one step from GPTQ's and clips the ranges GPTQ chose.
 """
 
 from __future__ import annotations
@@ -30,14 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, fit_block, input_stats, reconstruct
-from leanlm.compress.quant.gptq import gptq_quantize
+from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, fit_block, reconstruct
 from leanlm.compress.quant.rtn import Int4Options, group_for
 from leanlm.compress.registry import register
-from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import W4A16Linear
-from leanlm.lowbit.primitives import QuantSpec
 from leanlm.lowbit.record import replace
 
 
@@ -50,14 +43,12 @@ class TunedWeight(nn.Module):
     """A projection whose weight is the int4 grid of its float weight under learned rounding offsets and clip ratios.
     Stands in for the Linear while its block is tuned; `grid()` gives the codes, scale and mid for the kernel."""
 
-    def __init__(self, linear: nn.Linear, group_size: int, symmetric: bool, start: torch.Tensor | None = None):
-        """start: the weight whose rounding is tuned (default the Linear's; GPTQ's solution with init "gptq")."""
+    def __init__(self, linear: nn.Linear, group_size: int, symmetric: bool):
         super().__init__()
         N, K = linear.weight.shape
         self.group_size, self.symmetric = group_size, symmetric
         self.bias = None if linear.bias is None else linear.bias.detach()  # a tensor, not a parameter to tune
-        start = linear.weight if start is None else start
-        self.w = start.detach().float().reshape(N, K // group_size, group_size)
+        self.w = linear.weight.detach().float().reshape(N, K // group_size, group_size)
         self.v = nn.Parameter(torch.zeros_like(self.w))
         self.alpha = nn.Parameter(torch.ones(N, K // group_size, 1))  # of the largest weight
         self.beta = nn.Parameter(torch.ones(N, K // group_size, 1))  # of the smallest
@@ -120,8 +111,7 @@ def tune_block(block: nn.Module, tuned: dict[str, TunedWeight], inputs: torch.Te
 @dataclass(frozen=True)
 class AutoRound(Int4Options):
     """AutoRound onto the W4A16 kernel. iters: signed-gradient steps per block (the package's default 200; each is
-    one forward and backward of the block on `batch_size` windows); lr: the first step's size (default 1 / iters);
-    init: where the rounding starts, "rtn" (the paper's) or "gptq" (each projection's GPTQ solution)."""
+    one forward and backward of the block on `batch_size` windows); lr: the first step's size (default 1 / iters)."""
 
     name: ClassVar[str] = "autoround"
     needs_data: ClassVar[bool] = True
@@ -129,12 +119,9 @@ class AutoRound(Int4Options):
     lr: float | None = None
     batch_size: int = DEFAULT_BATCH_SIZE
     seed: int = 0
-    init: str = "rtn"
 
     def __post_init__(self):
         super().__post_init__()
-        if self.init not in ("rtn", "gptq"):
-            raise LeanLMError(f"autoround init={self.init!r}: use rtn or gptq")
         if not isinstance(self.iters, int) or self.iters < 0:
             raise LeanLMError(f"autoround iters={self.iters!r} must be a whole number >= 0 (0: round-to-nearest)")
         if self.lr is not None and not self.lr > 0:
@@ -151,18 +138,11 @@ def autoround(model, config: AutoRound, progress=None, samples=None) -> dict[str
     lr = config.lr or 1.0 / max(config.iters, 1)
 
     def step(i, block, linears, inputs, targets, rope, run):
-        if config.init == "gptq":
-            hessians = input_stats(linears, lambda linear: Hessian(linear.in_features), lambda: run(block, inputs))
         tuned = {}
         for name, linear in linears.items():
             g = group_for(linear.in_features, config.group_size)
             W4A16Linear.check_shape(linear.in_features, linear.out_features, g)
-            start = None
-            if config.init == "gptq":
-                spec = QuantSpec(4, symmetric=config.symmetric, granularity="group", group_size=g)
-                start = gptq_quantize(linear.weight.float(), hessians[name].value, spec, act_order=True,
-                                      search_grid=True)[0]
-            tuned[name] = TunedWeight(linear, g, config.symmetric, start)
+            tuned[name] = TunedWeight(linear, g, config.symmetric)
             replace(block, name, tuned[name])
         with torch.enable_grad():
             tune_block(block, tuned, inputs, targets, rope, config.iters, lr, config.batch_size, generator)

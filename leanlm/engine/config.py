@@ -90,6 +90,10 @@ class EngineConfig:
 
 
 FIELDS = tuple(f.name for f in fields(EngineConfig))
+# LLM's step budget when no config is given: offline nothing waits on a token, so a step takes more of the prompts
+# (vLLM's CPU defaults do the same, 4096 for its LLM class against its server's 2048). Measured by
+# `python benchmarks/engine.py --sections 2` (the budget sweep); servers keep EngineConfig's 1024 for TPOT.
+OFFLINE_BATCHED_TOKENS = 2048
 
 
 def engine_config(config: EngineConfig | None = None, **options) -> EngineConfig:

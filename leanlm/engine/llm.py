@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from leanlm.engine.config import EngineConfig, engine_config
+from leanlm.engine.config import OFFLINE_BATCHED_TOKENS, EngineConfig, engine_config
 from leanlm.engine.engine import Engine, request_output
 from leanlm.engine.sequence import Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
@@ -55,14 +55,17 @@ class LLM:
 
     The engine's options: `config=EngineConfig(...)` (leanlm.engine.config), or its fields as keywords, set over
     config when both are given: kv_cache_memory ("1GiB", bytes, or a fraction of free memory such as 0.2),
-    block_size, max_num_seqs, max_num_batched_tokens, prefix_caching, kv_cache ("auto": the model's dtype, or
-    "int8"), compile (decode steps as compiled graphs: fastest at few sequences, each batch bucket compiles once),
-    deterministic (a request's output independent of its batch, chunking and speculation), prompt_lookup (n-gram
-    size, 0 = off), num_speculative (tokens proposed per step) and draft (a model of the same tokenizer, or its name
-    or path, that proposes them)."""
+    block_size, max_num_seqs, max_num_batched_tokens (without a config, engine.config.OFFLINE_BATCHED_TOKENS; a
+    server keeps EngineConfig's smaller budget for its decoding requests' TPOT), prefix_caching, kv_cache ("auto":
+    the model's dtype, or "int8"), compile (decode steps as compiled graphs: fastest at few sequences, each batch
+    bucket compiles once), deterministic (a request's output independent of its batch, chunking and speculation),
+    prompt_lookup (n-gram size, 0 = off), num_speculative (tokens proposed per step) and draft (a model of the same
+    tokenizer, or its name or path, that proposes them)."""
 
     def __init__(self, model, tokenizer=None, *, config: EngineConfig | None = None, dtype=None, device=None,
                  threads: int | None = None, quiet: bool = False, **options):
+        if config is None:
+            options.setdefault("max_num_batched_tokens", OFFLINE_BATCHED_TOKENS)
         self.engine = _engine(model, tokenizer, dtype, device, threads, engine_config(config, **options), quiet)
         self._ids = itertools.count()
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from leanlm.engine import LLM, Engine, EngineConfig
-from leanlm.engine.config import engine_config
+from leanlm.engine.config import OFFLINE_BATCHED_TOKENS, engine_config
 from leanlm.errors import LeanLMError
 
 
@@ -47,3 +47,13 @@ def test_llm_takes_a_config_or_its_fields(tiny):
         LLM(model, tok, quiet=True, max_num_seqs=0)
     with pytest.raises(LeanLMError, match="loaded draft model"):  # LLM loads a draft by name; Engine does not
         Engine(model, tok, EngineConfig(draft="smollm2-135m"))
+
+
+def test_llm_without_a_config_takes_the_offline_step_budget(tiny):
+    model, tok = tiny
+    memory = dict(kv_cache_memory=1 << 22)
+    assert LLM(model, tok, quiet=True, **memory).engine.config.max_num_batched_tokens == OFFLINE_BATCHED_TOKENS
+    assert OFFLINE_BATCHED_TOKENS != EngineConfig().max_num_batched_tokens
+    assert LLM(model, tok, quiet=True, max_num_batched_tokens=64, **memory).engine.config.max_num_batched_tokens == 64
+    given = LLM(model, tok, config=EngineConfig(**memory), quiet=True)  # a config says what it wants
+    assert given.engine.config.max_num_batched_tokens == EngineConfig().max_num_batched_tokens

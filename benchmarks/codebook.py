@@ -254,8 +254,8 @@ def main() -> None:
     args = ap.parse_args()
     args.bits = [int(b) for b in args.bits.split(",")]
     args.skip = {name for name in args.skip.split(",") if name}
-    if args.skip - {"gptq", "rtn", "aqlm", "q2k"}:
-        ap.error(f"--skip: unknown variants {', '.join(sorted(args.skip - {'gptq', 'rtn', 'aqlm', 'q2k'}))}")
+    if unknown := args.skip - {"gptq", "rtn", "aqlm", "q2k"}:
+        ap.error(f"--skip: unknown variants {', '.join(sorted(unknown))}")
     out = Console(width=160)
     if "k" in args.sections:
         out.print(kernel_table())

@@ -81,6 +81,14 @@ def decoder_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
 
 
 
+def layer_patterns(method: str, layers, values: str) -> dict:
+    """A method's `layers` option checked to be {projection name or glob: value} (None: {}); a LeanLMError
+    otherwise, saying the dict maps names to `values`."""
+    if layers is not None and not (isinstance(layers, dict) and all(isinstance(p, str) for p in layers)):
+        raise LeanLMError(f"{method} layers must map projection names (or globs) to {values}, got {layers!r}")
+    return layers or {}
+
+
 def last_match(layers: dict | None, name: str) -> str | None:
     """The last pattern of a method's `layers` (projection names or globs) that matches `name`; None if none does."""
     return next((p for p in reversed(list(layers or {})) if fnmatchcase(name, p)), None)

@@ -30,7 +30,7 @@ from torch import nn
 
 from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, fit_block, input_stats, reconstruct
 from leanlm.compress.obs import Pending, check_solver_args, inverse_cholesky, obs_update, solver_inputs
-from leanlm.compress.registry import check_patterns, decoder_linears, last_match, register
+from leanlm.compress.registry import check_patterns, decoder_linears, last_match, layer_patterns, register
 from leanlm.compress.stats import Hessian
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.codebook import DIM, ENTRIES, AdditiveLinear, codebook_weight
@@ -221,7 +221,8 @@ class AQLM:
     layers: dict | None = field(default=None, hash=False)  # a dict cannot be hashed; the other fields identify it
 
     def __post_init__(self):
-        for where, bits in [("bits", self.bits), *((f"layers[{p!r}]", b) for p, b in self._layers().items())]:
+        layers = layer_patterns("aqlm", self.layers, "codebooks")
+        for where, bits in [("bits", self.bits), *((f"layers[{p!r}]", b) for p, b in layers.items())]:
             if isinstance(bits, bool) or bits not in (1, 2, 3, 4):
                 raise LeanLMError(f"aqlm {where}={bits!r}: use 1 to 4 (codebooks of 8-bit codes per 8 weights)")
         for option, least in {"iters": 0, "rounds": 1, "fit_steps": 0, "kmeans_iters": 0, "batch_size": 1}.items():
@@ -230,12 +231,6 @@ class AQLM:
                 raise LeanLMError(f"aqlm {option}={value!r} must be a whole number >= {least}")
         if not self.lr > 0:
             raise LeanLMError(f"aqlm lr={self.lr!r} must be > 0")
-
-    def _layers(self) -> dict:
-        if self.layers is not None and not (isinstance(self.layers, dict) and all(isinstance(p, str) for p in
-                                                                                  self.layers)):
-            raise LeanLMError(f"aqlm layers must map projection names (or globs) to codebooks, got {self.layers!r}")
-        return self.layers or {}
 
     def codebooks(self, name: str) -> int:
         """Codebooks of the projection `name` (e.g. layers.3.mlp.down_proj): its last matching `layers` pattern's,

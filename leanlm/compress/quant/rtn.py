@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from leanlm.compress.registry import check_patterns, decoder_linears, last_match, register
+from leanlm.compress.registry import check_patterns, decoder_linears, last_match, layer_patterns, register
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.linear import SCHEMES, W4A8Linear, W4A16Linear
 from leanlm.lowbit.record import replace
@@ -46,10 +46,7 @@ class RTN:
         if self.act_bits not in (8, 16):
             raise LeanLMError(f"--act-bits must be 8 or 16, got {self.act_bits}")
         self._check_pair(self.bits, self.group_size)
-        if self.layers is not None and not (isinstance(self.layers, dict) and all(isinstance(p, str) for p in
-                                                                                  self.layers)):
-            raise LeanLMError(f"rtn layers must map projection names (or globs) to bits, got {self.layers!r}")
-        for pattern, value in (self.layers or {}).items():
+        for pattern, value in layer_patterns("rtn", self.layers, "bits").items():
             self._check_pair(*self._parse(pattern, value), where=f"rtn layers[{pattern!r}]: ")
 
     def _check_pair(self, bits: int, group_size: int, where: str = "") -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from leanlm import kernels
+from leanlm.fetch import cache_dir
 from leanlm.lowbit.linear import pack_int4
 
 
@@ -40,6 +43,18 @@ def test_each_build_runs_the_loops_it_names():
     assert _build().isa() == native
     if _cpu_has("avx2", "fma"):
         assert _build("avx2").isa() == "avx2"
+
+
+def test_a_build_killed_midway_blocks_no_later_process(tmp_path):
+    """torch leaves its lock file in the build directory when the process building is killed (an interrupted first
+    run); its next build waited on that file forever. leanlm's own lock, which the OS frees, tells it is stale."""
+    _build()
+    directory = cache_dir() / "kernels" / f"leanlm_{kernels.source_hash()}_kernels_{kernels._cpu_tag()}"
+    (directory / "lock").touch()
+    code = "from leanlm import kernels; print(kernels.ops().isa())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == _build().isa(), done.stderr[-2000:]
+    assert not (directory / "lock").exists()
 
 
 def _rel(y, ref):

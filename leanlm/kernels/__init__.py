@@ -5,8 +5,8 @@ Integer dot products (AVX-512 VNNI, or AVX2 where the CPU has no AVX-512) on act
 AVX-512: on its int8 codes as they are, `vpdpbusd`); on the default model's decode matrices they read weights
 2.1-2.7x faster than torch's `_weight_int8pack_mm` and 1.7-2.2x faster than `_weight_int4pack_mm_for_cpu` (Zen 3,
 2 threads: `python benchmarks/kernels.py`). They are compiled for this machine (-march=native) on first use, ~10 s,
-and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). `ops()` is None where that fails
-(no C++ compiler): callers then fall back to torch ops.
+and cached in leanlm's cache ($LEANLM_CACHE/kernels/<library>). `ops()` is None where that fails (no C++ compiler):
+callers then fall back to torch ops.
 
     ops = kernels.ops()
     ops.isa()  # "avx512", "avx2" or "portable" (plain loops, slow): the instructions this build runs
@@ -30,6 +30,7 @@ and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR). 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -99,13 +100,18 @@ def _build(variant: str):
     # torch reuses a cached build whose sources and flags match, and "-march=native" reads the same on every CPU:
     # a build from an AVX-512 machine would crash (illegal instruction) on an AVX2 one sharing the cache
     library = f"{name}_kernels_{_cpu_tag()}"
+    directory = cache_dir() / "kernels" / library
     try:
-        if not _built(library):
-            print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr)
-        with warnings.catch_warnings():  # cpp_extension's own deprecation notices are not the user's concern
-            warnings.simplefilter("ignore", DeprecationWarning)
-            load(name=library, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                 is_python_module=False)
+        directory.mkdir(parents=True, exist_ok=True)
+        with _locked(directory.with_suffix(".lock")) as locked:
+            if locked:  # torch's own lock file, left by a build that was killed, made every later build wait forever;
+                (directory / "lock").unlink(missing_ok=True)  # no build runs here without our lock: it is stale
+            if not any(directory.glob("*.so")):
+                print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr)
+            with warnings.catch_warnings():  # cpp_extension's own deprecation notices are not the user's concern
+                warnings.simplefilter("ignore", DeprecationWarning)
+                load(name=library, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                     build_directory=str(directory), is_python_module=False)
     except Exception as e:  # no compiler, no headers: quantized layers fall back to torch ops (slower)
         warnings.warn(f"leanlm: CPU kernels not built ({type(e).__name__}: {str(e)[:200]}); "
                       "quantized layers fall back to slower torch paths")
@@ -214,11 +220,10 @@ def _measured_once(name: str, measure) -> int:
     taken beside other work is kept as it came)."""
     path = cache_dir() / "kernels" / f"switches-{source_hash()}-{_cpu_tag()}.json"
     try:
-        import fcntl  # POSIX only; where it is missing, time per process as before
-
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with _locked(path.with_suffix(".lock")) as locked:
+            if not locked:  # no fcntl (not POSIX): time in each process, as before
+                return measure()
             known = json.loads(path.read_text()) if path.exists() else {}
             if name not in known:
                 known[name] = measure()
@@ -226,8 +231,22 @@ def _measured_once(name: str, measure) -> int:
                 tmp.write_text(json.dumps(known))
                 tmp.replace(path)
             return int(known[name])
-    except (OSError, ValueError, ImportError):
+    except (OSError, ValueError):
         return measure()
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` (created) for the block: True, or False with no lock where fcntl is missing. The
+    OS frees it when its holder dies, so a killed process leaves nothing that blocks the next."""
+    try:
+        import fcntl  # POSIX only
+    except ImportError:
+        yield False
+        return
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield True
 
 
 def _time_bf16_rows(ns) -> int:
@@ -341,16 +360,6 @@ def cpu_flags() -> list[str]:
 def _cpu_tag() -> str:
     """A short hash of this CPU's feature flags (the machine name where /proc/cpuinfo has none)."""
     return hashlib.sha1((" ".join(cpu_flags()) or platform.machine()).encode()).hexdigest()[:8]
-
-
-def _built(library: str) -> bool:
-    """Whether torch's extension cache already holds a build (only to say that a first build takes a while)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private, ~60 ms: any failure just means "say it"
-
-        return any(Path(_get_build_directory(library, False)).glob("*.so"))
-    except Exception:
-        return False
 
 
 def _register_fakes(name: str) -> None:

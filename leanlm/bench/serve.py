@@ -235,11 +235,12 @@ class LocalServer:
         self.url, self.health = f"http://127.0.0.1:{port}", health
 
     @classmethod
-    def leanlm(cls, model: str, name: str, serve_args: list[str], timeout: float = 600) -> LocalServer:
-        """`leanlm serve MODEL` on a free port, serving it as `name`."""
+    def leanlm(cls, model: str, name: str, serve_args: list[str], timeout: float = 600,
+               env: dict | None = None) -> LocalServer:
+        """`leanlm serve MODEL` on a free port, serving it as `name` (env: the server's, default this process's)."""
         port = free_port()
         return cls(leanlm_command("serve", model, "--port", str(port), "--served-model-name", name, *serve_args), port,
-                   timeout=timeout)
+                   env=env, timeout=timeout)
 
     def __enter__(self) -> LocalServer:
         self.log = tempfile.TemporaryFile("w+")

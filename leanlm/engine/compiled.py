@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
+import pickle
 import time
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from leanlm import kernels
 from leanlm.cache.paged import KVPool, cdiv, put, slot_of
 from leanlm.cache.paged_attention import paged_kernel
+from leanlm.engine import skeleton
 from leanlm.generation.compiled import StepCompiler
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -66,17 +69,37 @@ class CompiledPagedDecoder:
 
     def build(self, max_seqs: int, log=lambda text: None) -> None:
         """Compile and measure now the graph of every bucket a batch of up to `max_seqs` sequences pads to (a step
-        of that many rows on the scratch block each), so that no request pays a compilation."""
+        of that many rows on the scratch block each), so that no request pays a compilation. With a core to spare,
+        a helper process compiles every other bucket into inductor's caches meanwhile (g++ builds a graph on one
+        core), and this process then loads those from the caches; the timings run after it, alone."""
         sizes = BUCKETS[: bisect.bisect_left(BUCKETS, max_seqs) + 1]
         first = time.perf_counter()
+        aside = sizes[-1::-2] if len(sizes) > 1 else ()  # the largest bucket and every other one below it
+        helper = self._helper(aside, log) if aside else None
+        aside = aside if helper is not None else ()
+        log(f"compiling the decode steps of {', '.join(map(str, sizes))} sequences (~1 minute each on 2 cores"
+            + (f"; {', '.join(map(str, aside))} in a helper process" if aside else "") + ")")
         for size in sizes:
-            start = time.perf_counter()
+            if size not in aside:
+                self.run(*_scratch_batch(self.scratch, size))
+        if helper is not None and (why := helper.wait(timeout=3600)):
+            log(f"the helper process did not compile its decode steps ({why}): compiling them here")
+        for size in sizes:
             self._measure(size)
-            log(f"compiled the decode step of {size} sequence{'s' * (size > 1)} in {time.perf_counter() - start:.0f} s")
         eager = ", ".join(f"{size // 2 + 1}-{n - 1} of {size}" for size in sizes
                           if (n := self.fewest[size]) > size // 2 + 1)
         log(f"{len(sizes)} compiled decode steps ready in {time.perf_counter() - first:.0f} s"
             + (f"; eager, where padding costs more than the graph saves: {eager} sequences" if eager else ""))
+
+    def _helper(self, sizes: tuple[int, ...], log) -> skeleton.Helper | None:
+        """A process compiling these buckets' graphs, on a CPU with a core to spare (CUDA graphs need no g++)."""
+        if self.pool.v[0].device.type != "cpu" or len(os.sched_getaffinity(0)) < 2:
+            return None
+        try:
+            return skeleton.Helper(compile_buckets, self.model, self.pool, self.scratch, sizes)
+        except (pickle.PicklingError, TypeError, AttributeError, RuntimeError, OSError) as e:  # not sent: build here
+            log(f"compiling every decode step here: the model does not go to a helper process ({e})")
+            return None
 
     def takes(self, num_seqs: int) -> bool:
         """Whether a decode step of num_seqs sequences runs compiled: its bucket's graph measured faster than an
@@ -129,6 +152,13 @@ class CompiledPagedDecoder:
                     slots=torch.tensor([slot_of(t, p, bs) for t, p in zip(tables, positions)]), tables=table,
                     lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32), k=self.pool.k, v=self.pool.v,
                     block_size=bs)
+
+
+def compile_buckets(model, pool: KVPool, scratch: int, sizes: tuple[int, ...]) -> None:
+    """Compile the graphs of these buckets into inductor's on-disk caches (a helper process's work)."""
+    decoder = CompiledPagedDecoder(model, pool, scratch)
+    for size in sizes:
+        decoder.run(*_scratch_batch(scratch, size))
 
 
 def fewest_compiled(size: int, graph: float, eager: float, below: tuple[int, float] | None) -> int:

@@ -1,9 +1,9 @@
-"""Running a function in a helper process on copies of its arguments whose tensors are empty: what a compilation
-needs is every tensor's shape, strides, dtype and device, not its values. So a server compiles its decode graphs on both
-cores (engine.compiled): the helper builds half of them into inductor's on-disk caches while this process builds
-the rest, no weights cross, and the helper's pages stay uncommitted until a kernel reads them.
+"""A function run in a helper process on copies of its arguments whose tensors are empty: compiling a graph needs
+every tensor's shape, strides, dtype and device, not its values. A server compiles its decode graphs so on both
+cores (engine.compiled): the helper builds half of them into inductor's on-disk caches while the server builds the
+rest. No weights cross, and the helper's empty pages are never committed.
 
-The stream is pickled: it travels from this process to its own child over a pipe, never from a file."""
+The stream is pickled: it goes from this process to its own child over a pipe, never through a file."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import shlex
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -74,6 +75,7 @@ def serve(
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics). SIGTERM drains requests in flight, then exits."""
+    start = time.perf_counter()
     if api_key_file is not None:
         try:
             api_key = api_key_file.read_text().splitlines()[0].strip()
@@ -93,6 +95,9 @@ def serve(
                        dtype=dtype, device=device, threads=threads)
         return
     llm = AsyncLLM(model, config=config, dtype=dtype, device=device, threads=threads)
+    err.print(f"leanlm: ready in {time.perf_counter() - start:.1f} s (the model loaded, its KV cache allocated"
+              f"{', every compiled step built' if llm.engine.runner.compiled is not None else ''})",
+              highlight=False, markup=False)
     run_server(llm, name, host, port, api_key, max_requests, prompt_scorer=prompt_scorer, max_n=max_n,
                prepare_compression=prepare_compression)
 

@@ -282,6 +282,7 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
         # uvicorn re-raises the signal once drained: the process ends as terminated by SIGTERM, conventionally
         assert proc.wait(30) in (0, -signal.SIGTERM)
         assert proc.stdout.read() == ""  # uvicorn's access log goes to stderr with the rest of the log
+        assert "leanlm: ready in " in proc.stderr.read()  # its start-up time, printed
     finally:
         proc.kill()
 

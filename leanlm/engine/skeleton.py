@@ -7,7 +7,6 @@ The stream is pickled: it goes from this process to its own child over a pipe, n
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
@@ -56,7 +55,7 @@ class Helper:
         self._log = tempfile.TemporaryFile()  # a file, not a pipe: a chatty helper never blocks on a full pipe
         self._process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                          stdout=subprocess.DEVNULL, stderr=self._log,
-                                         env=child_env({**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}))
+                                         env=child_env())
         try:
             _Pickler(self._process.stdin).dump((fn, args, torch.get_num_threads()))
             self._process.stdin.close()

@@ -2,7 +2,8 @@
 
     python benchmarks/frontier.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--samples 128] [--seq-len 512]
                                   [--iters 50] [--max-tokens 16384] [--no-peer | --peers auto-round,hqq,...]
-                                  [--grids both|asymmetric|symmetric] [--methods gptq,awq,hqq,autoround]
+                                  [--grids both|asymmetric|symmetric]
+                                  [--methods gptq,awq,hqq,autoround,rotate+gptq,rotate+autoround]
 
 Calibration: --samples windows of --seq-len tokens of the built-in calibration split (seed 0, the windows
 `leanlm quantize` takes), written once to a safetensors file that leanlm and the peers read. Evaluation: leanlm's
@@ -11,10 +12,13 @@ agreement to the bf16 model, in one process for every row (the peers' models are
 same code scores them). Every decoder projection gets int4 groups of 128 along K (64 where 128 does not divide K,
 on both sides); embeddings and lm_head stay bf16. Asymmetric (zero points) and, where a tool has it, symmetric.
 AutoRound runs --iters steps per block on both sides (the package's default is 200; 50 keeps the run near an hour).
-Peers, each in its own virtual environment (benchmarks/frontier_peer.py): `auto-round` 0.16.1 and `hqq` 0.2.8
-(--frontier-python), llm-compressor 0.14 GPTQ (--llmc-python). Every variant is made in a fresh process ("s" is
-the method alone, loading and saving left out; "peak MB" its own peak RSS) and cached under
-$LEANLM_CACHE/bench-frontier/ with its measurements (delete that folder to re-measure). Bits per weight are the
+"rotate+M" is the recipe `- method: rotate` then M: QuaRot's offline Hadamard rotations folded into the weights
+first (a tied lm_head is untied: vocab x hidden more bf16 weights, outside the projections' bits). Peers, each in
+its own virtual environment (benchmarks/frontier_peer.py): `auto-round` 0.16.1 and `hqq` 0.2.8 (--frontier-python),
+llm-compressor 0.14 GPTQ, alone and after its SpinQuantModifier's R1 and R2 rotations (--llmc-python). Every
+variant is made in a fresh process ("s" is the method alone, loading and saving left out; "peak MB" its own peak
+RSS) and cached under $LEANLM_CACHE/bench-frontier/ with its measurements (delete that folder to re-measure).
+Bits per weight are the
 decoder projections' stored bits over their weights: leanlm's as its modules hold them (bf16 scale and offset per
 group), the peers' by their formats (fp16 scale, and zero point where asymmetric).
 """
@@ -35,36 +39,41 @@ from pruning import measured, wait_quiet, write_calibration  # shared with the p
 err = Console(stderr=True)
 FRONTIER_PYTHON = "/work/venvs/frontier/bin/python"  # auto-round 0.16.1, hqq 0.2.8
 LLMC_PYTHON = "/work/venvs/llmc/bin/python"  # llmcompressor 0.14.0
-# (label, method, options); group_size 128 for all
+# (label, method, options); group_size 128 for all; "rotate+M": the rotate step, then M with the options
 LEANLM = [("RTN", "rtn", {"bits": 4}), ("RTN", "rtn", {"bits": 4, "symmetric": True}),
           ("GPTQ", "gptq", {}), ("GPTQ", "gptq", {"symmetric": True}), ("AWQ", "awq", {}),
-          ("HQQ", "hqq", {}), ("AutoRound", "autoround", {}), ("AutoRound", "autoround", {"symmetric": True})]
+          ("HQQ", "hqq", {}), ("AutoRound", "autoround", {}), ("AutoRound", "autoround", {"symmetric": True}),
+          ("rotation + GPTQ", "rotate+gptq", {}), ("rotation + AutoRound", "rotate+autoround", {})]
 PEERS = [("auto-round", "autoround", False), ("auto-round", "autoround", True), ("hqq", "hqq", False),
-         ("llm-compressor", "gptq", False), ("llm-compressor", "gptq", True)]
+         ("llm-compressor", "gptq", False), ("llm-compressor", "gptq", True),
+         ("llm-compressor", "spinquant+gptq", False)]
+PEER_LABELS = {"autoround": "AutoRound", "hqq": "HQQ", "gptq": "GPTQ", "spinquant+gptq": "SpinQuant R1 R2 + GPTQ"}
 
 
 def child(model: str, method: str, options: dict, calibration: str, output: str, threads: int) -> None:
-    """In a fresh process: quantize with leanlm on the windows of `calibration`, save, print the time."""
+    """In a fresh process: quantize with leanlm on the windows of `calibration` (`method` one step, or steps
+    joined by "+", the options for the last), save, print the time."""
     import torch
     from safetensors.torch import load_file
 
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import apply
     from leanlm.fetch import atomic_dir
     from leanlm.models.loading import load
     from leanlm.models.zoo import resolve
-    from leanlm.pipeline import make_config
+    from leanlm.pipeline import apply_steps, make_config
     from leanlm.runtime import peak_rss_mb
 
     torch.set_num_threads(threads)
-    config = make_config(method, options)
+    *before, last = method.split("+")
+    configs = [make_config(name, {}) for name in before] + [make_config(last, options)]
     net, _ = load(model, "bfloat16", "cpu", progress=False)
-    samples = load_file(calibration)["input_ids"] if getattr(config, "needs_data", False) else None
+    needs_data = any(getattr(c, "needs_data", False) for c in configs)
+    samples = load_file(calibration)["input_ids"] if needs_data else None
     start = time.perf_counter()
-    records = apply(net, config, samples=samples)
+    records = apply_steps(net, configs, samples, {})
     seconds = time.perf_counter() - start
     with atomic_dir(Path(output)) as tmp:
-        qformat.save(net, records, config, resolve(model), tmp)
+        qformat.save(net, records, configs, resolve(model), tmp)
     print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
 
 
@@ -107,7 +116,8 @@ class Frontier:
         write_calibration(model, args.samples, args.seq_len, self.calibration)
 
     def leanlm(self, method: str, options: dict) -> tuple[Path, dict]:
-        options = {"group_size": 128, **options, **({"iters": self.args.iters} if method == "autoround" else {})}
+        tuned = method.split("+")[-1] == "autoround"
+        options = {"group_size": 128, **options, **({"iters": self.args.iters} if tuned else {})}
         tag = "-".join([method, *(f"{k}{v}" for k, v in sorted(options.items()))])
         out = self.root / tag
         err.print(f"[dim]{self.model}: leanlm {tag}[/]")
@@ -118,9 +128,10 @@ class Frontier:
     def peer(self, method: str, symmetric: bool) -> tuple[Path, dict]:
         from leanlm.models.zoo import resolve
 
-        python = self.args.llmc_python if method == "gptq" else self.args.frontier_python
+        python = self.args.llmc_python if method.endswith("gptq") else self.args.frontier_python
         tag = f"peer-{method}{'-sym' if symmetric else ''}" + (f"-iters{self.args.iters}" if method == "autoround"
                                                                else "")
+        method = method.replace("+", "-")  # frontier_peer.py's --method
         out = self.root / tag
         err.print(f"[dim]{self.model}: peer {tag}[/]")
         cmd = [python, "-P", str(Path(__file__).with_name("frontier_peer.py")), str(resolve(self.model)), str(out),
@@ -152,8 +163,8 @@ def table(model: str, args) -> Table:
             if bool(opts.get("symmetric")) in grids and method in methods]
     if not args.no_peer:
         runs += [(tool, label, sym, *f.peer(method, sym)) for tool, method, sym in PEERS
-                 if sym in grids and tool in args.peers.split(",")
-                 for label in [{"autoround": "AutoRound", "hqq": "HQQ", "gptq": "GPTQ"}[method]]]
+                 if sym in grids and {tool, method} & set(args.peers.split(","))
+                 for label in [PEER_LABELS[method]]]
     base, *rows = f.quality([r[3] for r in runs])
     rtn_gap = {sym: row.perplexity - base.perplexity for (tool, label, sym, *_), row in zip(runs, rows)
                if tool == "leanlm" and label == "RTN"}
@@ -196,14 +207,15 @@ def main() -> None:
     ap.add_argument("--frontier-python", default=FRONTIER_PYTHON, help="python with auto-round 0.16.1 and hqq 0.2.8")
     ap.add_argument("--llmc-python", default=LLMC_PYTHON, help="python with llmcompressor 0.14")
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--peers", default="auto-round,hqq,llm-compressor", help="which peers to run")
-    ap.add_argument("--methods", default="gptq,awq,hqq,autoround",
-                    help="leanlm's methods to make besides RTN (which every table has)")
+    ap.add_argument("--peers", default="auto-round,hqq,llm-compressor",
+                    help="which peers to run: tools, or methods (gptq, spinquant+gptq, ...)")
+    ap.add_argument("--methods", default="gptq,awq,hqq,autoround,rotate+gptq,rotate+autoround",
+                    help="leanlm's methods to make besides RTN (which every table has); rotate+M rotates first")
     ap.add_argument("--grids", choices=["both", "asymmetric", "symmetric"], default="both",
                     help="which int4 grids to make (asymmetric alone: half the variants)")
     args = ap.parse_args()
     for option, names, known in (("--methods", args.methods, {method for _, method, _ in LEANLM}),
-                                 ("--peers", args.peers, {tool for tool, _, _ in PEERS})):
+                                 ("--peers", args.peers, {tool for tool, _, _ in PEERS} | set(PEER_LABELS))):
         if unknown := set(names.split(",")) - known:
             ap.error(f"{option}: unknown {', '.join(sorted(unknown))}")
     out = Console(width=170)

@@ -1,14 +1,17 @@
 """The peers' int4 methods on a model, for benchmarks/frontier.py: the `auto-round` package's AutoRound, the `hqq`
-package's HQQ and llm-compressor's GPTQ, each in its own virtual environment (the script imports only the method's
+package's HQQ and llm-compressor's GPTQ (alone, or after its SpinQuantModifier's offline R1 and R2 rotations), each
+in its own virtual environment (the script imports only the method's
 package, transformers, safetensors and torch; llm-compressor pins an older auto-round than the one measured).
 
-    python frontier_peer.py MODEL_DIR OUT_DIR --method autoround|hqq|gptq [--calibration CALIBRATION.safetensors]
+    python frontier_peer.py MODEL_DIR OUT_DIR --method autoround|hqq|gptq|spinquant-gptq
+                            [--calibration CALIBRATION.safetensors]
                             [--group-size 128] [--sym] [--iters N] [--threads 2]
 
 CALIBRATION.safetensors holds `input_ids` [n, T] int64: the windows leanlm calibrates on, so both sides see the
 same tokens (HQQ needs no data). Each projection of the decoder gets int4 groups along K (the
 requested size, or 64 where it does not divide K, as leanlm does), and its weight is written back dequantized: OUT_DIR
-is a plain HF directory (bf16 safetensors and the source's config and tokenizer files) that leanlm scores itself.
+is a plain HF directory (bf16 safetensors and the source's config and tokenizer files; the config written anew
+where a rotation untied the lm_head) that leanlm scores itself.
 One JSON line on stdout: {"seconds": time of the method alone, "peak_mb": peak RSS}.
 """
 
@@ -60,10 +63,13 @@ def run_autoround(model, tokenizer, args) -> None:
 
 
 def run_gptq(model, args) -> None:
-    """llm-compressor's GPTQModifier at its defaults (block 128, dampening 0.01), sequential pipeline."""
+    """llm-compressor's GPTQModifier at its defaults (block 128, dampening 0.01), sequential pipeline; for
+    spinquant-gptq after SpinQuantModifier's R1 (residual stream) and R2 (values per head) Hadamard rotations, which
+    it folds into the weights (its recipe for W4A16 in the examples)."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.transform import SpinQuantModifier
 
     ids = load_file(str(args.calibration))["input_ids"]
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
@@ -74,7 +80,10 @@ def run_gptq(model, args) -> None:
     groups = {f"group_{g}": {"targets": names, "weights": {"num_bits": 4, "type": "int", "symmetric": args.sym,
                                                             "strategy": "group", "group_size": g}}
               for g, names in by_group.items()}
-    oneshot(model=model, recipe=GPTQModifier(config_groups=groups, ignore=["lm_head"]), dataset=data,
+    recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"])]
+    if args.method == "spinquant-gptq":
+        recipe.insert(0, SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard"))
+    oneshot(model=model, recipe=recipe, dataset=data,
             num_calibration_samples=len(ids), max_seq_length=ids.shape[1], shuffle_calibration_samples=False,
             batch_size=8, pipeline="sequential")  # leaves each projection's weight on its grid, dequantized
 
@@ -83,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", type=Path)
     ap.add_argument("output", type=Path)
-    ap.add_argument("--method", choices=("autoround", "hqq", "gptq"), required=True)
+    ap.add_argument("--method", choices=("autoround", "hqq", "gptq", "spinquant-gptq"), required=True)
     ap.add_argument("--calibration", type=Path)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--sym", action="store_true")
@@ -98,19 +107,25 @@ def main() -> None:
     start = time.perf_counter()
     if args.method == "autoround":
         run_autoround(model, tokenizer, args)
+    elif args.method == "hqq":
+        run_hqq(model, args)
     else:
-        (run_hqq if args.method == "hqq" else run_gptq)(model, args)
+        run_gptq(model, args)
     seconds = time.perf_counter() - start
 
     args.output.mkdir(parents=True)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
              if k.endswith((".weight", ".bias"))}  # not llm-compressor's weight_scale / weight_zero_point
-    if model.config.tie_word_embeddings:
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if tied:
         state.pop("lm_head.weight", None)
     save_file(state, str(args.output / "model.safetensors"), metadata={"format": "pt"})
     for f in args.model.iterdir():
         if f.suffix != ".safetensors" and f.is_file() and not f.name.startswith("model.safetensors"):
             shutil.copy(f, args.output / f.name)
+    if not tied:  # a rotation gave the lm_head its own weights
+        config = json.loads((args.output / "config.json").read_text())
+        (args.output / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
     print(json.dumps({"seconds": seconds, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 

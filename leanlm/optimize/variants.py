@@ -90,6 +90,10 @@ DEFAULT = (
     Variant("w4 gptq g32+head8", ({"method": "gptq", "bits": 4, "group_size": 32}, HEAD8_G)),
     Variant("w4a8 gptq g128+head8", ({"method": "gptq", "bits": 4, "group_size": 128, "act_bits": 8}, HEAD8_G),
             notes="GPTQ int4 weights with per-token int8 activations: int8 products for many sequences"),
+    Variant("w4a8 rotated gptq g128+head8", ({"method": "rotate", "online": True},
+                                             {"method": "gptq", "bits": 4, "group_size": 128, "act_bits": 8}, HEAD8_G),
+            notes="QuaRot's Hadamard rotations (folded into the weights, and online on down_proj's input) before "
+                  "GPTQ W4A8: under a third of its gap without them"),
     Variant("bf16 kv8", kv_cache="int8"),
     Variant("bf16 lookup", prompt_lookup=3),
     Variant("wanda 2:4 + w8", ({"method": "wanda", "pattern": "2:4"}, W8, HEAD8_G)),

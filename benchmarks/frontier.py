@@ -18,9 +18,8 @@ its own virtual environment (benchmarks/frontier_peer.py): `auto-round` 0.16.1 a
 llm-compressor 0.14 GPTQ, alone and after its SpinQuantModifier's R1 and R2 rotations (--llmc-python). Every
 variant is made in a fresh process ("s" is the method alone, loading and saving left out; "peak MB" its own peak
 RSS) and cached under $LEANLM_CACHE/bench-frontier/ with its measurements (delete that folder to re-measure).
-Bits per weight are the
-decoder projections' stored bits over their weights: leanlm's as its modules hold them (bf16 scale and offset per
-group), the peers' by their formats (fp16 scale, and zero point where asymmetric).
+Bits per weight are the decoder projections' stored bits over their weights: leanlm's as its modules hold them
+(bf16 scale and offset per group), the peers' by their formats (fp16 scale, and zero point where asymmetric).
 """
 
 from __future__ import annotations

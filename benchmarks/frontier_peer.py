@@ -1,7 +1,7 @@
 """The peers' int4 methods on a model, for benchmarks/frontier.py: the `auto-round` package's AutoRound, the `hqq`
 package's HQQ and llm-compressor's GPTQ (alone, or after its SpinQuantModifier's offline R1 and R2 rotations), each
-in its own virtual environment (the script imports only the method's
-package, transformers, safetensors and torch; llm-compressor pins an older auto-round than the one measured).
+in its own virtual environment (the script imports only the method's package, transformers, safetensors and torch;
+llm-compressor pins an older auto-round than the one measured).
 
     python frontier_peer.py MODEL_DIR OUT_DIR --method autoround|hqq|gptq|spinquant-gptq
                             [--calibration CALIBRATION.safetensors]
@@ -64,8 +64,9 @@ def run_autoround(model, tokenizer, args) -> None:
 
 def run_gptq(model, args) -> None:
     """llm-compressor's GPTQModifier at its defaults (block 128, dampening 0.01), sequential pipeline; for
-    spinquant-gptq after SpinQuantModifier's R1 (residual stream) and R2 (values per head) Hadamard rotations, which
-    it folds into the weights (its recipe for W4A16 in the examples)."""
+    spinquant-gptq after SpinQuantModifier's R1 (residual stream) and R2 (values per head) rotations, which it folds
+    into the weights: random Hadamard matrices (its deterministic "hadamard" type has powers of two only, and
+    SmolLM2's hidden size is 576)."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier

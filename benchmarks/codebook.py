@@ -3,6 +3,7 @@ Q2_K, and the decode kernel that reads them.
 
     python benchmarks/codebook.py [--model smollm2-135m] [--bits 2] [--samples 128] [--iters 100]
                                   [--distill-steps 200] [--sections k,m] [--wide PROJ,...] [--skip NAME,...]
+                                  [--rotate]
 
 k (kernel): microseconds of one decoder layer's gate_up_proj + down_proj (the default model's shapes) at 1-16 rows of
   x, over 40 layers' distinct weights in turn so that weights come from memory as in a model: bf16 (torch's GEMM and
@@ -21,6 +22,8 @@ m (model): each variant made once in a fresh process on the same --samples x 512
   a step): its distill step runs on the AQLM row's cached model, as the pipeline runs it after the aqlm step, and
   its seconds are both steps'. --wide mlp.down_proj,self_attn.o_proj adds AQLM with one more codebook on those
   projections (a recipe's `layers`; bits/weight still counts every projection), distilled the same way.
+  --rotate makes each AQLM row after the rotate step (QuaRot's Hadamard rotations folded into the weights, as QuIP#
+  makes its weights incoherent before its codebooks; the tied lm_head untied, still bf16).
 """
 
 from __future__ import annotations
@@ -96,24 +99,25 @@ def kernel_table() -> Table:
 
 
 def child(model: str, method: str, options: dict, calibration: str, output: str) -> None:
-    """In a fresh process: quantize with leanlm on the windows of `calibration`, save, print time and peak RSS."""
+    """In a fresh process: quantize with leanlm on the windows of `calibration` (`method` one step, or steps
+    joined by "+", the options for the last), save, print time and peak RSS."""
     from safetensors.torch import load_file
 
     from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import apply
     from leanlm.fetch import atomic_dir
     from leanlm.models.loading import load
     from leanlm.models.zoo import resolve
-    from leanlm.pipeline import make_config
+    from leanlm.pipeline import apply_steps, make_config
     from leanlm.runtime import peak_rss_mb
 
-    config = make_config(method, options)
+    *before, last = method.split("+")
+    configs = [make_config(name, {}) for name in before] + [make_config(last, options)]
     net, _ = load(model, "bfloat16", "cpu", progress=False)
     start = time.perf_counter()
-    records = apply(net, config, samples=load_file(calibration)["input_ids"])
+    records = apply_steps(net, configs, load_file(calibration)["input_ids"], {})
     seconds = time.perf_counter() - start
     with atomic_dir(Path(output)) as tmp:
-        qformat.save(net, records, config, resolve(model), tmp)
+        qformat.save(net, records, configs, resolve(model), tmp)
     print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
 
 
@@ -182,10 +186,11 @@ def model_table(args) -> Table:
     write_calibration(args.model, args.samples, 512, calibration)
     me = str(Path(__file__).resolve())
     variants = [("GPTQ W4A16 g128", "gptq", {}), ("RTN W4A16 g128", "rtn", {"bits": 4})]
-    variants += [(f"AQLM {b}x8", "aqlm", {"bits": b, "iters": args.iters}) for b in args.bits]
-    variants = [v for v in variants if v[1] not in args.skip]
+    aqlm, rotated = ("rotate+aqlm", "rotation + ") if args.rotate else ("aqlm", "")
+    variants += [(f"{rotated}AQLM {b}x8", aqlm, {"bits": b, "iters": args.iters}) for b in args.bits]
+    variants = [v for v in variants if v[1].split("+")[-1] not in args.skip]
     wide = [p for p in args.wide.split(",") if p]
-    variants += [(f"AQLM {b}x8, {' and '.join(wide)} {b + 1}x8", "aqlm",
+    variants += [(f"{rotated}AQLM {b}x8, {' and '.join(wide)} {b + 1}x8", aqlm,
                   {"bits": b, "iters": args.iters, "layers": {f"layers.*.{p}": b + 1 for p in wide}})
                  for b in args.bits if wide]
     runs = []
@@ -196,7 +201,7 @@ def model_table(args) -> Table:
         err.print(f"[dim]{args.model}: {label}[/]")
         runs.append((label, out, measured([sys.executable, me, "--child", args.model, method, json.dumps(options),
                                            str(calibration), str(out)], out)))
-        if method == "aqlm" and args.distill_steps:
+        if method.endswith("aqlm") and args.distill_steps:
             tuned = out.with_name(f"{out.name}+distill-steps{args.distill_steps}")
             err.print(f"[dim]{args.model}: {label} + distillation[/]")
             cost = measured([sys.executable, me, "--distill-child", args.model, str(out), str(args.distill_steps),
@@ -251,6 +256,7 @@ def main() -> None:
                                                "comma-separated (e.g. mlp.down_proj,self_attn.o_proj)")
     ap.add_argument("--skip", default="", help="variants not to make: gptq, rtn, aqlm (the uniform rows), q2k")
     ap.add_argument("--sections", default="k,m", help="k: kernel, m: models")
+    ap.add_argument("--rotate", action="store_true", help="the AQLM rows after the rotate step")
     args = ap.parse_args()
     args.bits = [int(b) for b in args.bits.split(",")]
     args.skip = {name for name in args.skip.split(",") if name}

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from pruning import measured, wait_quiet, write_calibration  # shared with the pruning and frontier benchmarks
+from pruning import measured, quantize_child, wait_quiet, write_calibration  # shared with pruning.py and frontier.py
 
 err = Console(stderr=True)
 SHAPES = [(3072, 576), (576, 1536)]  # SmolLM2-135M's gate_up_proj and down_proj, (N, K)
@@ -96,29 +96,6 @@ def kernel_table() -> Table:
                 times.append(best * 1e6)
             t.add_row(name, *(f"{us:.0f}" for us in times))
     return t
-
-
-def child(model: str, method: str, options: dict, calibration: str, output: str) -> None:
-    """In a fresh process: quantize with leanlm on the windows of `calibration` (`method` one step, or steps
-    joined by "+", the options for the last), save, print time and peak RSS."""
-    from safetensors.torch import load_file
-
-    from leanlm.compress.quant import format as qformat
-    from leanlm.fetch import atomic_dir
-    from leanlm.models.loading import load
-    from leanlm.models.zoo import resolve
-    from leanlm.pipeline import apply_steps, make_config
-    from leanlm.runtime import peak_rss_mb
-
-    *before, last = method.split("+")
-    configs = [make_config(name, {}) for name in before] + [make_config(last, options)]
-    net, _ = load(model, "bfloat16", "cpu", progress=False)
-    start = time.perf_counter()
-    records = apply_steps(net, configs, load_file(calibration)["input_ids"], {})
-    seconds = time.perf_counter() - start
-    with atomic_dir(Path(output)) as tmp:
-        qformat.save(net, records, configs, resolve(model), tmp)
-    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
 
 
 def distill_child(model: str, source: str, steps: int, output: str) -> None:
@@ -238,7 +215,7 @@ def model_table(args) -> Table:
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         model, method, options, calibration, output = sys.argv[2:7]
-        return child(model, method, json.loads(options), calibration, output)
+        return quantize_child(model, method, json.loads(options), calibration, output, torch.get_num_threads())
     if sys.argv[1:2] == ["--distill-child"]:
         model, source, steps, output = sys.argv[2:6]
         return distill_child(model, source, int(steps), output)

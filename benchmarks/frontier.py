@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from pruning import measured, wait_quiet, write_calibration  # shared with the pruning benchmark
+from pruning import measured, quantize_child, wait_quiet, write_calibration  # shared with the pruning benchmark
 
 err = Console(stderr=True)
 FRONTIER_PYTHON = "/work/venvs/frontier/bin/python"  # auto-round 0.16.1, hqq 0.2.8
@@ -47,33 +46,6 @@ PEERS = [("auto-round", "autoround", False), ("auto-round", "autoround", True), 
          ("llm-compressor", "gptq", False), ("llm-compressor", "gptq", True),
          ("llm-compressor", "spinquant+gptq", False)]
 PEER_LABELS = {"autoround": "AutoRound", "hqq": "HQQ", "gptq": "GPTQ", "spinquant+gptq": "SpinQuant R1 R2 + GPTQ"}
-
-
-def child(model: str, method: str, options: dict, calibration: str, output: str, threads: int) -> None:
-    """In a fresh process: quantize with leanlm on the windows of `calibration` (`method` one step, or steps
-    joined by "+", the options for the last), save, print the time."""
-    import torch
-    from safetensors.torch import load_file
-
-    from leanlm.compress.quant import format as qformat
-    from leanlm.fetch import atomic_dir
-    from leanlm.models.loading import load
-    from leanlm.models.zoo import resolve
-    from leanlm.pipeline import apply_steps, make_config
-    from leanlm.runtime import peak_rss_mb
-
-    torch.set_num_threads(threads)
-    *before, last = method.split("+")
-    configs = [make_config(name, {}) for name in before] + [make_config(last, options)]
-    net, _ = load(model, "bfloat16", "cpu", progress=False)
-    needs_data = any(getattr(c, "needs_data", False) for c in configs)
-    samples = load_file(calibration)["input_ids"] if needs_data else None
-    start = time.perf_counter()
-    records = apply_steps(net, configs, samples, {})
-    seconds = time.perf_counter() - start
-    with atomic_dir(Path(output)) as tmp:
-        qformat.save(net, records, configs, resolve(model), tmp)
-    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
 
 
 def projection_bits(path: Path) -> float:
@@ -195,7 +167,7 @@ def main() -> None:
         ap.add_argument("output")
         ap.add_argument("--threads", type=int, default=2)
         a = ap.parse_args(sys.argv[2:])
-        return child(a.model, a.method, json.loads(a.options), a.calibration, a.output, a.threads)
+        return quantize_child(a.model, a.method, json.loads(a.options), a.calibration, a.output, a.threads)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
     ap.add_argument("--samples", type=int, default=128, help="calibration windows")

@@ -72,6 +72,33 @@ def child(model: str, method: str, options: dict, calibration: str, output: str,
     print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))  # not wait4's: it carries the parent's peak
 
 
+def quantize_child(model: str, method: str, options: dict, calibration: str, output: str, threads: int) -> None:
+    """In a fresh process: quantize with leanlm on the windows of `calibration` (`method` one step, or steps joined
+    by "+", the options for the last: "rotate+gptq"), save, print the time and peak RSS (frontier, codebook)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from leanlm.compress.quant import format as qformat
+    from leanlm.fetch import atomic_dir
+    from leanlm.models.loading import load
+    from leanlm.models.zoo import resolve
+    from leanlm.pipeline import apply_steps, make_config
+    from leanlm.runtime import peak_rss_mb
+
+    torch.set_num_threads(threads)
+    *before, last = method.split("+")
+    configs = [make_config(name, {}) for name in before] + [make_config(last, options)]
+    net, _ = load(model, "bfloat16", "cpu", progress=False)
+    needs_data = any(getattr(c, "needs_data", False) for c in configs)
+    samples = load_file(calibration)["input_ids"] if needs_data else None
+    start = time.perf_counter()
+    records = apply_steps(net, configs, samples, {})
+    seconds = time.perf_counter() - start
+    with atomic_dir(Path(output)) as tmp:
+        qformat.save(net, records, configs, resolve(model), tmp)
+    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
+
+
 def measured(cmd: list[str], out: Path) -> dict:
     """Run a process that writes the model `out` and prints {"seconds": ..., "peak_mb": ...} last; keep the
     result next to `out`, so a later run reuses both."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from leanlm.compress.quant.rtn import RTN, group_for, quantize_decoder
 from leanlm.compress.registry import decoder_linears
 from leanlm.errors import LeanLMError
+from leanlm.lowbit.linear import W4A8Linear, W4A16Linear, pack_int4, unpack_int4
 from leanlm.lowbit.primitives import QuantSpec, compute_qparams, dequantize, quantize
 from leanlm.lowbit.record import replace
 from leanlm.models.layers import Linear
@@ -89,3 +90,42 @@ def export(model: torch.nn.Module, config: QAT, progress=None) -> dict[str, dict
         for p in model.parameters():  # embeddings, norms, lm_head: the quantized modules hold buffers
             p.data = p.data.to(torch.bfloat16)
     return records
+
+
+class TunedGroups(torch.nn.Module):
+    """An int4 projection (W4A16, W4A8) in training, its codes fixed and each group's scale and mid learned
+    (EfficientQAT's end-to-end step, arXiv 2407.11062): w = (q - 8) * scale * (1 + gain) + mid + scale * shift, with
+    gain and shift [N, K/g] starting at 0, so that one learning rate suits every layer's magnitudes. A symmetric
+    grid (every mid 0) keeps its mids at 0; W4A8's activations are rounded as its kernel rounds them."""
+
+    def __init__(self, layer: W4A16Linear):
+        super().__init__()
+        N, K, g = layer.out_features, layer.in_features, layer.group_size
+        self.bias = None if layer.bias is None else layer.bias.detach()
+        self.group_size, self.act_quant = g, layer.SCHEME == "w4a8"
+        self.codes = unpack_int4(layer.weight_packed).view(N, K // g, g).float() - 8
+        self.scale = layer.scales.float().t()[..., None]  # [N, K/g, 1]
+        self.mid = layer.zeros.float().t()[..., None]
+        self.gain = torch.nn.Parameter(torch.zeros_like(self.scale))
+        self.shift = torch.nn.Parameter(torch.zeros_like(self.scale), requires_grad=bool(self.mid.any()))
+
+    def scales_mids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scale * (1 + self.gain), self.mid + self.scale * self.shift  # [N, K/g, 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale, mid = self.scales_mids()
+        w = (self.codes * scale + mid).flatten(1)
+        if self.act_quant:
+            x = straight_through(x.reshape(-1, w.shape[1]), TOKEN_INT8).reshape(x.shape)
+        return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def pack(self) -> W4A16Linear:
+        """The runtime layer of the learned grid (bf16 scales and mids, as stored)."""
+        N, G, g = self.codes.shape
+        with torch.no_grad():
+            scale, mid = (t[..., 0].t().to(torch.bfloat16).contiguous() for t in self.scales_mids())
+        layer = W4A16Linear(G * g, N, g, self.bias)
+        layer.weight_packed = pack_int4((self.codes.flatten(1) + 8).to(torch.int16))
+        layer.scales, layer.zeros = scale, mid
+        layer = layer.to(scale.device)
+        return W4A8Linear.from_w4a16(layer) if self.act_quant else layer

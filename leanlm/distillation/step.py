@@ -3,7 +3,9 @@ before a quantization step freezes the weights (`leanlm prune/quantize --recipe`
 
 After an `aqlm` step it is AQLM's end-to-end fine-tuning (arXiv 2401.06118, section 3.4): the codes stay, and the
 codebooks, row scales and norms learn the teacher's distributions across all blocks at once (the block-by-block
-tuning saw one block's output at a time); the embeddings stay as they are."""
+tuning saw one block's output at a time); the embeddings stay as they are. After an int4 step (rtn, gptq, awq, hqq,
+autoround: W4A16 or W4A8) it is EfficientQAT's end-to-end step (arXiv 2407.11062): the codes stay, and each group's
+scale and mid and the norms learn."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from leanlm.distillation.qat import TunedGroups
 from leanlm.distillation.trainer import DistillConfig, Trainer
 from leanlm.compress.quant.aqlm import TunedCodebook
 from leanlm.compress.registry import register
@@ -27,8 +30,8 @@ class Distill:
     """teacher: a zoo name or model directory; the CLI fills in the model the recipe starts from (give it for a
     source that was pruned in an earlier run: its teacher is the original). data: a text file or folder (default:
     the built-in calibration split). lr: 1e-4 for float weights, 1e-3 for AQLM's codebooks (the rate of its block
-    tuning; on the default model's 2x8 codebooks 40 steps at 1e-3 gave perplexity 38.95, at 3e-4 40.93). The budget
-    (steps, tokens or minutes) and the rest are DistillConfig's."""
+    tuning; on the default model's 2x8 codebooks 40 steps at 1e-3 gave perplexity 38.95, at 3e-4 40.93) and for int4
+    groups' relative scales and mids. The budget (steps, tokens or minutes) and the rest are DistillConfig's."""
 
     name: ClassVar[str] = "distill"
     kind: ClassVar[str] = "distill"
@@ -49,8 +52,8 @@ class Distill:
     def __post_init__(self):
         self.trainer_config()  # its errors, when the recipe is read rather than after the earlier steps ran
 
-    def trainer_config(self, codebooks: bool = False) -> DistillConfig:
-        lr = self.lr if self.lr is not None else 1e-3 if codebooks else 1e-4
+    def trainer_config(self, quantized: bool = False) -> DistillConfig:
+        lr = self.lr if self.lr is not None else 1e-3 if quantized else 1e-4
         return DistillConfig(loss=self.loss, steps=self.steps, tokens=self.tokens, minutes=self.minutes, lr=lr,
                              batch_size=self.batch_size, seq_len=self.seq_len, temperature=self.temperature,
                              top_k=self.top_k, on_policy=self.on_policy)
@@ -59,24 +62,27 @@ class Distill:
 @register(Distill)
 def distill(model, config: Distill, progress=None, samples=None) -> dict[str, dict]:
     """Train `model` in place on the teacher's distributions; its zeros stay (the trainer's masks). A model with
-    additive-codebook layers trains their codebooks and scales and its norms, nothing else."""
+    additive-codebook or int4 decoder layers trains their codebooks, scales (and int4 mids) and its norms, nothing
+    else."""
     if config.teacher is None:
         raise LeanLMError("a distill step needs a teacher: give `teacher: MODEL` in the step")
-    codebooks = {name: TunedCodebook.of(m) for name, m in model.named_modules() if isinstance(m, AdditiveLinear)}
+    tuned = {name: TunedCodebook.of(m) if isinstance(m, AdditiveLinear) else TunedGroups(m)
+             for name, m in model.named_modules() if name.startswith("layers.")
+             and (isinstance(m, AdditiveLinear) or getattr(m, "SCHEME", None) in ("w4a16", "w4a8"))}
     frozen = [name for name, m in model.named_modules()
-              if name.startswith("layers.") and hasattr(m, "BITS") and name not in codebooks]
+              if name.startswith("layers.") and hasattr(m, "BITS") and name not in tuned]
     if frozen:
-        raise LeanLMError(f"a distill step trains float weights or AQLM's codebooks, but {frozen[0]} is already "
-                          "quantized otherwise: put the distill step before the quantization steps")
+        raise LeanLMError(f"a distill step trains float weights, AQLM's codebooks or int4 groups' scales, but "
+                          f"{frozen[0]} is quantized otherwise: put the distill step before the quantization steps")
     teacher, tok = load(config.teacher, "bfloat16", str(next(model.parameters()).device), progress=False)
     ids = torch.tensor(tok.encode(load_text(config.data, split="calibration", tokenizer=tok)))  # chats too
     dtype = model.dtype
-    for name, tuned in codebooks.items():
-        replace(model, name, tuned)
-    trains = (lambda name: name.split(".")[-1] in ("books", "scales") or name.endswith("norm.weight")) \
-        if codebooks else (lambda name: True)
-    Trainer(teacher, model, ids, None, config.trainer_config(bool(codebooks)), trains=trains).run(progress=False)
-    for name, tuned in codebooks.items():
-        replace(model, name, tuned.pack())
+    for name, t in tuned.items():
+        replace(model, name, t)
+    learns = {f"{name}.{p}" for name, t in tuned.items() for p, v in t.named_parameters() if v.requires_grad}
+    trains = (lambda name: name in learns or name.endswith("norm.weight")) if tuned else (lambda name: True)
+    Trainer(teacher, model, ids, None, config.trainer_config(bool(tuned)), trains=trains).run(progress=False)
+    for name, t in tuned.items():
+        replace(model, name, t.pack())
     model.to(dtype).eval().requires_grad_(False)
     return {}

@@ -1,6 +1,6 @@
 """The distill recipe step: it wins back what a pruning step lost (zeros kept), runs inside `leanlm prune --recipe`
-with the source as its teacher, fine-tunes AQLM's codebooks end to end after an aqlm step (codes and embeddings
-kept), and refuses to come after any other quantization."""
+with the source as its teacher, fine-tunes AQLM's codebooks end to end after an aqlm step and int4 groups' scales
+and mids after an int4 step (codes and embeddings kept), and refuses to come after any other quantization."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from leanlm.compress.registry import apply
 from leanlm.pipeline import make_config
 from leanlm.errors import LeanLMError
 from leanlm.eval.perplexity import score
+from leanlm.distillation.qat import TunedGroups
 from leanlm.lowbit.codebook import AdditiveLinear
+from leanlm.lowbit.linear import W4A8Linear, W4A16Linear
 from leanlm.models.loading import load_model
 from leanlm.tokenizer import Tokenizer
 from tests.test_cli import leanlm
@@ -62,6 +64,30 @@ def test_after_aqlm_a_distill_step_tunes_the_codebooks_scales_and_norms_only(tin
     changed = {name for name in after if not torch.equal(after[name], before[name])}
     assert all(name.endswith((".codebooks", ".scales", "norm.weight")) for name in changed)
     assert {name.split(".")[-1] for name in changed} == {"codebooks", "scales", "weight"}
+    assert _kl(student, teacher, ids[:512]) < 0.8 * kl
+
+
+@pytest.mark.parametrize("options", [{}, {"symmetric": True}, {"act_bits": 8}], ids=["w4a16", "symmetric", "w4a8"])
+def test_after_int4_a_distill_step_tunes_group_scales_mids_and_norms_only(tiny_dir, tmp_path, options):
+    teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.bfloat16)
+    text = _text(tmp_path)
+    ids = torch.tensor(Tokenizer(tiny_dir).encode(text.read_text()))
+    apply(student, make_config("rtn", {"bits": 4, "group_size": 32, **options}))
+    kind = W4A8Linear if options.get("act_bits") else W4A16Linear
+    layer = student.layers[0].mlp.down_proj
+    assert type(layer) is kind
+    x = torch.randn(3, layer.in_features)
+    assert torch.allclose(TunedGroups(layer)(x), layer(x).float(), atol=1e-2, rtol=1e-2)  # the same grid
+    before = {name: t.clone() for name, t in student.state_dict().items()}
+    kl = _kl(student, teacher, ids[:512])
+    step = make_config("distill", {"teacher": str(tiny_dir), "steps": 30, "lr": 3e-2, "batch_size": 2,
+                                   "seq_len": 16, "data": str(text)})
+    assert apply(student, step) == {}
+    assert sum(type(m) is kind for m in student.modules()) == 4 * student.config.num_layers  # qkv, o, gate_up, down
+    after = student.state_dict()
+    assert after.keys() == before.keys() and student.dtype == torch.bfloat16
+    changed = {name.split(".")[-1] for name in after if not torch.equal(after[name], before[name])}
+    assert changed == ({"scales", "weight"} if options.get("symmetric") else {"scales", "zeros", "weight"})
     assert _kl(student, teacher, ids[:512]) < 0.8 * kl
 
 

@@ -95,8 +95,9 @@ def export(model: torch.nn.Module, config: QAT, progress=None) -> dict[str, dict
 class TunedGroups(torch.nn.Module):
     """An int4 projection (W4A16, W4A8) in training, its codes fixed and each group's scale and mid learned
     (EfficientQAT's end-to-end step, arXiv 2407.11062): w = (q - 8) * scale * (1 + gain) + mid + scale * shift, with
-    gain and shift [N, K/g] starting at 0, so that one learning rate suits every layer's magnitudes. A symmetric
-    grid (every mid 0) keeps its mids at 0; W4A8's activations are rounded as its kernel rounds them."""
+    gain and shift [N, K/g] starting at 0, so that one learning rate suits every layer's magnitudes. A layer whose
+    mids are all 0 (a symmetric grid of RTN, GPTQ, AWQ) keeps them at 0; W4A8's activations are rounded as its
+    kernel rounds them."""
 
     def __init__(self, layer: W4A16Linear):
         super().__init__()

@@ -76,16 +76,22 @@ _FACTORS: dict[tuple, tuple] = {}  # (n, seed, device) -> OnlineRotation's matri
 def _online_factors(n: int, seed: int, device: torch.device) -> tuple:
     """OnlineRotation's (left, right, scale) on `device`: (B^T, H_p, signs / sqrt(n)), or (the dense rotation, None,
     None) where no Hadamard matrix of order n is known here. Made once (a plain dict: torch.compile traces a lookup
-    in it, where it cannot make them, with a seeded generator, nor trace through lru_cache)."""
+    in it, where it cannot make them, with a seeded generator, nor trace through lru_cache). Never inference
+    tensors, even when first made under inference_mode: a model scored, then trained (a distill step), uses them."""
     key = (n, seed, device)
     if key not in _FACTORS:
-        base = _base(n)
-        if base is None:
-            made = rotation(n, seed), None, None
-        else:
-            made = base[0].T, _sylvester(base[1]), _signs(n, torch.Generator().manual_seed(seed)) / n ** 0.5
-        _FACTORS[key] = tuple(None if t is None else t.float().contiguous().to(device) for t in made)
+        with torch.inference_mode(False):
+            _FACTORS[key] = _made_factors(n, seed, device)
     return _FACTORS[key]
+
+
+def _made_factors(n: int, seed: int, device: torch.device) -> tuple:
+    base = _base(n)
+    if base is None:
+        made = rotation(n, seed), None, None
+    else:
+        made = base[0].T, _sylvester(base[1]), _signs(n, torch.Generator().manual_seed(seed)) / n ** 0.5
+    return tuple(None if t is None else t.float().contiguous().to(device) for t in made)
 
 
 class OnlineRotation(nn.Module):

@@ -67,11 +67,15 @@ def test_after_aqlm_a_distill_step_tunes_the_codebooks_scales_and_norms_only(tin
     assert _kl(student, teacher, ids[:512]) < 0.8 * kl
 
 
-@pytest.mark.parametrize("options", [{}, {"symmetric": True}, {"act_bits": 8}], ids=["w4a16", "symmetric", "w4a8"])
-def test_after_int4_a_distill_step_tunes_group_scales_mids_and_norms_only(tiny_dir, tmp_path, options):
+@pytest.mark.parametrize("rotated,options", [(False, {}), (False, {"symmetric": True}), (False, {"act_bits": 8}),
+                                             (True, {"act_bits": 8})],
+                         ids=["w4a16", "symmetric", "w4a8", "rotated-w4a8"])
+def test_after_int4_a_distill_step_tunes_group_scales_mids_and_norms_only(tiny_dir, tmp_path, rotated, options):
     teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.bfloat16)
     text = _text(tmp_path)
     ids = torch.tensor(Tokenizer(tiny_dir).encode(text.read_text()))
+    if rotated:  # QuaRot's W4A8, its online rotation (made while scoring below, under inference_mode) trained through
+        apply(student, make_config("rotate", {"online": True}))
     apply(student, make_config("rtn", {"bits": 4, "group_size": 32, **options}))
     kind = W4A8Linear if options.get("act_bits") else W4A16Linear
     layer = student.layers[0].mlp.down_proj

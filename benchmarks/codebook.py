@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from pruning import measured, quantize_child, wait_quiet, write_calibration  # shared with pruning.py and frontier.py
+from pruning import distill_child, measured, quantize_child, wait_quiet, write_calibration  # shared with frontier.py
 
 err = Console(stderr=True)
 SHAPES = [(3072, 576), (576, 1536)]  # SmolLM2-135M's gate_up_proj and down_proj, (N, K)
@@ -96,29 +96,6 @@ def kernel_table() -> Table:
                 times.append(best * 1e6)
             t.add_row(name, *(f"{us:.0f}" for us in times))
     return t
-
-
-def distill_child(model: str, source: str, steps: int, output: str) -> None:
-    """In a fresh process: the distill step on the AQLM model `source` (the bf16 model its teacher), saved with the
-    recipe of both steps."""
-    from leanlm.compress.quant import format as qformat
-    from leanlm.compress.registry import apply
-    from leanlm.fetch import atomic_dir
-    from leanlm.lowbit.record import RECORD
-    from leanlm.models.loading import load
-    from leanlm.models.zoo import resolve
-    from leanlm.pipeline import make_config
-    from leanlm.runtime import peak_rss_mb
-
-    config = make_config("distill", {"teacher": model, "steps": steps})
-    net, _ = load(source, "bfloat16", "cpu", progress=False)
-    start = time.perf_counter()
-    apply(net, config)
-    seconds = time.perf_counter() - start
-    record = json.loads((Path(source) / RECORD).read_text())
-    with atomic_dir(Path(output)) as tmp:
-        qformat.save(net, record["layers"], [*record["recipe"], config], resolve(model), tmp)
-    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
 
 
 def q2k_child(model: str, calibration: str, output: str) -> None:

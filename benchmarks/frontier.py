@@ -3,7 +3,8 @@
     python benchmarks/frontier.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--samples 128] [--seq-len 512]
                                   [--iters 50] [--max-tokens 16384] [--no-peer | --peers auto-round,hqq,...]
                                   [--grids both|asymmetric|symmetric]
-                                  [--methods gptq,awq,hqq,autoround,rotate+gptq,rotate+autoround]
+                                  [--methods gptq,awq,hqq,autoround,rotate+gptq,rotate+autoround,gptq+distill,...]
+                                  [--distill-steps 100]
 
 Calibration: --samples windows of --seq-len tokens of the built-in calibration split (seed 0, the windows
 `leanlm quantize` takes), written once to a safetensors file that leanlm and the peers read. Evaluation: leanlm's
@@ -13,7 +14,10 @@ same code scores them). Every decoder projection gets int4 groups of 128 along K
 on both sides); embeddings and lm_head stay bf16. Asymmetric (zero points) and, where a tool has it, symmetric.
 AutoRound runs --iters steps per block on both sides (the package's default is 200; 50 keeps the run near an hour).
 "rotate+M" is the recipe `- method: rotate` then M: QuaRot's offline Hadamard rotations folded into the weights
-first (a tied lm_head is untied: vocab x hidden more bf16 weights, outside the projections' bits). Peers, each in
+first (a tied lm_head is untied: vocab x hidden more bf16 weights, outside the projections' bits). "M+distill" is
+M then `- {method: distill, steps: --distill-steps}`, EfficientQAT's end-to-end step: the codes stay, each group's
+scale and mid and the norms learn the bf16 model's distributions on the calibration split (batches of 4 x 256
+tokens; never the evaluation text), run on M's cached model; its "s" is both steps'. Peers, each in
 its own virtual environment (benchmarks/frontier_peer.py): `auto-round` 0.16.1 and `hqq` 0.2.8 (--frontier-python),
 llm-compressor 0.14 GPTQ, alone and after its SpinQuantModifier's R1 and R2 rotations (--llmc-python). Every
 variant is made in a fresh process ("s" is the method alone, loading and saving left out; "peak MB" its own peak
@@ -32,7 +36,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pruning import measured, quantize_child, wait_quiet, write_calibration  # shared with the pruning benchmark
+from pruning import distill_child, measured, quantize_child, wait_quiet, write_calibration  # shared
 
 err = Console(stderr=True)
 FRONTIER_PYTHON = "/work/venvs/frontier/bin/python"  # auto-round 0.16.1, hqq 0.2.8
@@ -41,7 +45,9 @@ LLMC_PYTHON = "/work/venvs/llmc/bin/python"  # llmcompressor 0.14.0
 LEANLM = [("RTN", "rtn", {"bits": 4}), ("RTN", "rtn", {"bits": 4, "symmetric": True}),
           ("GPTQ", "gptq", {}), ("GPTQ", "gptq", {"symmetric": True}), ("AWQ", "awq", {}),
           ("HQQ", "hqq", {}), ("AutoRound", "autoround", {}), ("AutoRound", "autoround", {"symmetric": True}),
-          ("rotation + GPTQ", "rotate+gptq", {}), ("rotation + AutoRound", "rotate+autoround", {})]
+          ("rotation + GPTQ", "rotate+gptq", {}), ("rotation + AutoRound", "rotate+autoround", {}),
+          ("GPTQ + distillation", "gptq+distill", {}), ("AutoRound + distillation", "autoround+distill", {}),
+          ("rotation + GPTQ + distillation", "rotate+gptq+distill", {})]
 PEERS = [("auto-round", "autoround", False), ("auto-round", "autoround", True), ("hqq", "hqq", False),
          ("llm-compressor", "gptq", False), ("llm-compressor", "gptq", True),
          ("llm-compressor", "spinquant+gptq", False)]
@@ -87,6 +93,14 @@ class Frontier:
         write_calibration(model, args.samples, args.seq_len, self.calibration)
 
     def leanlm(self, method: str, options: dict) -> tuple[Path, dict]:
+        if method.endswith("+distill"):  # the distill step on the cached model of the steps before it
+            source, cost = self.leanlm(method.removesuffix("+distill"), options)
+            out = source.with_name(f"{source.name}+distill-steps{self.args.distill_steps}")
+            err.print(f"[dim]{self.model}: leanlm {out.name}[/]")
+            tuned = measured([sys.executable, str(Path(__file__).resolve()), "--distill-child", self.model,
+                              str(source), str(self.args.distill_steps), str(out)], out)
+            return out, {"seconds": cost["seconds"] + tuned["seconds"], "peak_mb": max(cost["peak_mb"],
+                                                                                       tuned["peak_mb"])}
         tuned = method.split("+")[-1] == "autoround"
         options = {"group_size": 128, **options, **({"iters": self.args.iters} if tuned else {})}
         tag = "-".join([method, *(f"{k}{v}" for k, v in sorted(options.items()))])
@@ -158,6 +172,9 @@ def table(model: str, args) -> Table:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--distill-child"]:
+        model, source, steps, output = sys.argv[2:]
+        return distill_child(model, source, int(steps), output)
     if sys.argv[1:2] == ["--child"]:
         ap = argparse.ArgumentParser()
         ap.add_argument("model")
@@ -180,8 +197,11 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--peers", default="auto-round,hqq,llm-compressor",
                     help="which peers to run: tools, or methods (gptq, spinquant+gptq, ...)")
-    ap.add_argument("--methods", default="gptq,awq,hqq,autoround,rotate+gptq,rotate+autoround",
-                    help="leanlm's methods to make besides RTN (which every table has); rotate+M rotates first")
+    ap.add_argument("--methods", default=",".join(dict.fromkeys(m for _, m, _ in LEANLM if m != "rtn")),
+                    help="leanlm's methods to make besides RTN (which every table has); rotate+M rotates first, "
+                         "M+distill distils after")
+    ap.add_argument("--distill-steps", type=int, default=100,
+                    help="steps of the distill step after the +distill methods (batches of 4 x 256 tokens)")
     ap.add_argument("--grids", choices=["both", "asymmetric", "symmetric"], default="both",
                     help="which int4 grids to make (asymmetric alone: half the variants)")
     args = ap.parse_args()

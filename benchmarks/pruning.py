@@ -99,6 +99,29 @@ def quantize_child(model: str, method: str, options: dict, calibration: str, out
     print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
 
 
+def distill_child(model: str, source: str, steps: int, output: str) -> None:
+    """In a fresh process: the distill step of `steps` steps on the quantized model `source` (the bf16 `model` its
+    teacher), saved with the recipe of every step (frontier, codebook)."""
+    from leanlm.compress.quant import format as qformat
+    from leanlm.compress.registry import apply
+    from leanlm.fetch import atomic_dir
+    from leanlm.lowbit.record import RECORD
+    from leanlm.models.loading import load
+    from leanlm.models.zoo import resolve
+    from leanlm.pipeline import make_config
+    from leanlm.runtime import peak_rss_mb
+
+    config = make_config("distill", {"teacher": model, "steps": steps})
+    net, _ = load(source, "bfloat16", "cpu", progress=False)
+    start = time.perf_counter()
+    apply(net, config)
+    seconds = time.perf_counter() - start
+    record = json.loads((Path(source) / RECORD).read_text())
+    with atomic_dir(Path(output)) as tmp:
+        qformat.save(net, record["layers"], [*record["recipe"], config], resolve(model), tmp)
+    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
+
+
 def measured(cmd: list[str], out: Path) -> dict:
     """Run a process that writes the model `out` and prints {"seconds": ..., "peak_mb": ...} last; keep the
     result next to `out`, so a later run reuses both."""

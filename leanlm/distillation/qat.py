@@ -103,7 +103,7 @@ class TunedGroups(torch.nn.Module):
         super().__init__()
         N, K, g = layer.out_features, layer.in_features, layer.group_size
         self.bias = None if layer.bias is None else layer.bias.detach()
-        self.group_size, self.act_quant = g, layer.SCHEME == "w4a8"
+        self.act_quant = layer.SCHEME == "w4a8"
         self.codes = unpack_int4(layer.weight_packed).view(N, K // g, g).float() - 8
         self.scale = layer.scales.float().t()[..., None]  # [N, K/g, 1]
         self.mid = layer.zeros.float().t()[..., None]

@@ -94,10 +94,11 @@ DEFAULT = (
                                              {"method": "gptq", "bits": 4, "group_size": 128, "act_bits": 8}, HEAD8_G),
             notes="QuaRot's Hadamard rotations (folded into the weights, and online on down_proj's input) before "
                   "GPTQ W4A8: under a third of its gap without them"),
-    Variant("w4 autoround g128+distill+head8", ({"method": "autoround", "bits": 4, "group_size": 128, "iters": 50},
-                                               {"method": "distill", "steps": 100}, HEAD8_G),
-            notes="AutoRound's tuned rounding, then 100 steps of end-to-end distillation of the group scales: the "
-                  "best 4-bit quality"),
+    Variant("w4 rotated gptq g128+distill+head8",
+            ({"method": "rotate"}, {"method": "gptq", "bits": 4, "group_size": 128},
+             {"method": "distill", "steps": 100}, HEAD8_G),
+            notes="QuaRot's rotations, GPTQ, then 100 steps of end-to-end distillation of the group scales: the best "
+                  "4-bit quality"),
     Variant("bf16 kv8", kv_cache="int8"),
     Variant("bf16 lookup", prompt_lookup=3),
     Variant("wanda 2:4 + w8", ({"method": "wanda", "pattern": "2:4"}, W8, HEAD8_G)),

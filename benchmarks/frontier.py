@@ -99,8 +99,8 @@ class Frontier:
             err.print(f"[dim]{self.model}: leanlm {out.name}[/]")
             tuned = measured([sys.executable, str(Path(__file__).resolve()), "--distill-child", self.model,
                               str(source), str(self.args.distill_steps), str(out)], out)
-            return out, {"seconds": cost["seconds"] + tuned["seconds"], "peak_mb": max(cost["peak_mb"],
-                                                                                       tuned["peak_mb"])}
+            both = {"seconds": cost["seconds"] + tuned["seconds"], "peak_mb": max(cost["peak_mb"], tuned["peak_mb"])}
+            return out, both
         tuned = method.split("+")[-1] == "autoround"
         options = {"group_size": 128, **options, **({"iters": self.args.iters} if tuned else {})}
         tag = "-".join([method, *(f"{k}{v}" for k, v in sorted(options.items()))])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from leanlm.compress.quant.rtn import RTN, group_for, quantize_decoder
 from leanlm.compress.registry import decoder_linears
 from leanlm.errors import LeanLMError
-from leanlm.lowbit.linear import W4A8Linear, W4A16Linear, pack_int4, unpack_int4
+from leanlm.lowbit.linear import W4A16Linear, unpack_int4
 from leanlm.lowbit.primitives import QuantSpec, compute_qparams, dequantize, quantize
 from leanlm.lowbit.record import replace
 from leanlm.models.layers import Linear
@@ -102,8 +102,7 @@ class TunedGroups(torch.nn.Module):
     def __init__(self, layer: W4A16Linear):
         super().__init__()
         N, K, g = layer.out_features, layer.in_features, layer.group_size
-        self.bias = None if layer.bias is None else layer.bias.detach()
-        self.act_quant = layer.SCHEME == "w4a8"
+        self.layer, self.act_quant = layer, layer.SCHEME == "w4a8"  # the layer keeps its codes; pack() its new grid
         self.codes = unpack_int4(layer.weight_packed).view(N, K // g, g).float() - 8
         self.scale = layer.scales.float().t()[..., None]  # [N, K/g, 1]
         self.mid = layer.zeros.float().t()[..., None]
@@ -118,15 +117,13 @@ class TunedGroups(torch.nn.Module):
         w = (self.codes * scale + mid).flatten(1)
         if self.act_quant:
             x = straight_through(x.reshape(-1, w.shape[1]), TOKEN_INT8).reshape(x.shape)
-        return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = self.layer.bias
+        return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def pack(self) -> W4A16Linear:
-        """The runtime layer of the learned grid (bf16 scales and mids, as stored)."""
-        N, G, g = self.codes.shape
+        """The layer again (its codes as they were, in its own layout), with the learned scales and mids in bf16."""
         with torch.no_grad():
             scale, mid = (t[..., 0].t().to(torch.bfloat16).contiguous() for t in self.scales_mids())
-        layer = W4A16Linear(G * g, N, g, self.bias)
-        layer.weight_packed = pack_int4((self.codes.flatten(1) + 8).to(torch.int16))
-        layer.scales, layer.zeros = scale, mid
-        layer = layer.to(scale.device)
-        return W4A8Linear.from_w4a16(layer) if self.act_quant else layer
+        self.layer.scales, self.layer.zeros = scale, mid
+        self.layer._tinygemm_weights = None  # CUDA's copy of the old grid
+        return self.layer

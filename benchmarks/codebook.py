@@ -3,7 +3,7 @@ Q2_K, and the decode kernel that reads them.
 
     python benchmarks/codebook.py [--model smollm2-135m] [--bits 2] [--samples 128] [--iters 100]
                                   [--distill-steps 200] [--sections k,m] [--wide PROJ,...] [--skip NAME,...]
-                                  [--rotate]
+                                  [--codes S] [--rotate]
 
 k (kernel): microseconds of one decoder layer's gate_up_proj + down_proj (the default model's shapes) at 1-16 rows of
   x, over 40 layers' distinct weights in turn so that weights come from memory as in a model: bf16 (torch's GEMM and
@@ -22,8 +22,9 @@ m (model): each variant made once in a fresh process on the same --samples x 512
   a step): its distill step runs on the AQLM row's cached model, as the pipeline runs it after the aqlm step, and
   its seconds are both steps'. --wide mlp.down_proj,self_attn.o_proj adds AQLM with one more codebook on those
   projections (a recipe's `layers`; bits/weight still counts every projection), distilled the same way.
-  --rotate makes each AQLM row after the rotate step (QuaRot's Hadamard rotations folded into the weights, as QuIP#
-  makes its weights incoherent before its codebooks; the tied lm_head untied, still bf16).
+  --codes S lets the codes learn in the distill step too (PV-tuning's V step on at most S of each layer's groups every
+  10 steps). --rotate makes each AQLM row after the rotate step (QuaRot's Hadamard rotations folded into the weights,
+  as QuIP# makes its weights incoherent before its codebooks; the tied lm_head untied, still bf16).
 """
 
 from __future__ import annotations
@@ -156,11 +157,13 @@ def model_table(args) -> Table:
         runs.append((label, out, measured([sys.executable, me, "--child", args.model, method, json.dumps(options),
                                            str(calibration), str(out)], out)))
         if method.endswith("aqlm") and args.distill_steps:
-            tuned = out.with_name(f"{out.name}+distill-steps{args.distill_steps}")
+            codes = f"-codes{args.codes}" if args.codes else ""
+            tuned = out.with_name(f"{out.name}+distill-steps{args.distill_steps}{codes}")
             err.print(f"[dim]{args.model}: {label} + distillation[/]")
             cost = measured([sys.executable, me, "--distill-child", args.model, str(out), str(args.distill_steps),
-                             str(tuned)], tuned)
-            runs.append((f"{label} + distillation ({args.distill_steps} steps)", tuned,
+                             str(tuned), str(args.codes)], tuned)
+            learn = f", codes {args.codes}" if args.codes else ""
+            runs.append((f"{label} + distillation ({args.distill_steps} steps{learn})", tuned,
                          {"seconds": runs[-1][2]["seconds"] + cost["seconds"], "peak_mb": cost.get("peak_mb")}))
     if "q2k" not in args.skip:
         q2k = root / "q2k-imatrix.gguf"
@@ -194,8 +197,8 @@ def main() -> None:
         model, method, options, calibration, output = sys.argv[2:7]
         return quantize_child(model, method, json.loads(options), calibration, output, torch.get_num_threads())
     if sys.argv[1:2] == ["--distill-child"]:
-        model, source, steps, output = sys.argv[2:6]
-        return distill_child(model, source, int(steps), output)
+        model, source, steps, output, codes = sys.argv[2:7]
+        return distill_child(model, source, int(steps), output, float(codes))
     if sys.argv[1:2] == ["--q2k-child"]:
         return q2k_child(*sys.argv[2:5])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,6 +208,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=100, help="AQLM tuning steps a block")
     ap.add_argument("--distill-steps", type=int, default=200,
                     help="steps of AQLM's end-to-end distillation after each AQLM row (0: none)")
+    ap.add_argument("--codes", type=float, default=0.0,
+                    help="the distillation's codes learn too: the share of groups a code update may change (0: fixed)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="evaluation tokens")
     ap.add_argument("--wide", default="", help="also AQLM with one more codebook on these projections, "
                                                "comma-separated (e.g. mlp.down_proj,self_attn.o_proj)")

@@ -160,11 +160,11 @@ class Trainer:
     evaluations. The student trains in float32 (it is converted in place); `out` holds checkpoints;
     `logit_cache` the teacher's top-k logits of each step (topk and slim losses), so that the teacher runs once
     for any number of students or runs on the same windows; `trains(name)` says which parameters learn (all of
-    them by default)."""
+    them by default); `after_step(trainer)` runs after each optimizer step (before `step` counts it)."""
 
     def __init__(self, teacher, student, train_ids: torch.Tensor, eval_ids: torch.Tensor | None,
                  config: DistillConfig, out: Path | None = None, logit_cache: Path | None = None,
-                 trains=lambda name: True):
+                 trains=lambda name: True, after_step=None):
         if teacher.config.vocab_size != student.config.vocab_size:
             raise LeanLMError(f"teacher and student vocabularies differ ({teacher.config.vocab_size} vs "
                               f"{student.config.vocab_size} tokens): distillation needs the same tokenizer")
@@ -183,6 +183,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay)
         self.history, self.step, self.total = History(), 0, config.total_steps()
+        self.after_step = after_step
         if config.loss == "tinybert":
             self.layer_map = self._check_tinybert(config.layer_map)
 
@@ -302,6 +303,8 @@ class Trainer:
             loss.backward()
             total += loss.item()
         self.optimizer.step()
+        if self.after_step is not None:
+            self.after_step(self)
         if c.prune_to is not None:
             steps = self.total or c.warmup + 1
             if self.step % c.prune_every == 0 or self.step + 1 >= c.prune_end * steps:  # the last rounds hit it

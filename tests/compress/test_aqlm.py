@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.aqlm import AQLM, aqlm_quantize, assign, kmeans, nearest
+from leanlm.compress.quant.aqlm import AQLM, TunedCodebook, aqlm_quantize, assign, kmeans, nearest
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.codebook import AdditiveLinear, codebook_weight
@@ -40,6 +40,34 @@ def test_assign_improves_on_greedy_and_each_pick_is_optimal_given_the_others():
     assert torch.all(ours <= theirs + 1e-5) and ours.mean() < 0.95 * theirs.mean()
     others = sum(books[c][codes[:, c]] for c in range(2))  # the last pick is the best given the first two
     assert torch.equal(codes[:, 2], nearest(targets - others, weights, books[2]))
+
+
+def test_the_v_step_moves_the_codes_nearest_its_target_and_down_the_gradient():
+    g = torch.Generator().manual_seed(2)
+    G, N = 6, 40  # 48 inputs, 40 outputs, one codebook: the re-picked code is the exact nearest codeword
+    layer = TunedCodebook(None, torch.randint(0, 256, (G, 1, N), generator=g), torch.randn(1, 256, 8, generator=g),
+                          torch.rand(N, generator=g) + 0.5)
+    layer.track_gradient()
+    x = torch.randn(16, G * 8, generator=g)
+    x = x * torch.linspace(0.2, 3, G * 8)  # inputs of unequal size: the metric is the Hessian's diagonal
+    layer(x).square().sum().backward()  # the hook sums d loss / d weight
+    w = codebook_weight(layer.codes, layer.books.detach().transpose(1, 2), layer.scales.detach())
+    grad, h = layer.grad.clone(), x.pow(2).sum(0)
+    h = h / h.mean()
+    a = 0.5 * w.pow(2).mean().sqrt() / (grad / h).pow(2).mean().sqrt()
+    target = (w - a * grad / h) / layer.scales.detach()[:, None]  # [N, K]
+    hg = h.reshape(1, G, 1, 8)
+    exact = (hg * (target.reshape(N, G, 1, 8) - layer.books.detach()[0]) ** 2).sum(-1).argmin(-1).T  # [G, N]
+    old = layer.codes.clone()
+    changed = layer.update_codes(0.5, 0.05)
+    moved = layer.codes[:, 0] != old[:, 0]
+    assert 0 < changed == moved.sum() <= int(0.05 * G * N)
+    assert torch.equal(layer.codes[:, 0][moved], exact[moved])  # each change is to the target's nearest codeword
+    d = codebook_weight(layer.codes, layer.books.detach().transpose(1, 2), layer.scales.detach()) - w
+    first_order = (grad * d).reshape(N, G, 8).sum(-1).T[moved]  # g.d of each changed group
+    assert torch.all(first_order < -((h * d * d).reshape(N, G, 8).sum(-1).T[moved]) / (2 * a) + 1e-4)
+    layer.track_gradient()
+    assert not layer.grad.any() and not layer.h.any()  # summed afresh for the next step
 
 
 def test_kmeans_lowers_the_distortion_of_its_start():

@@ -13,9 +13,13 @@ from leanlm.compress.registry import apply
 from leanlm.pipeline import make_config
 from leanlm.errors import LeanLMError
 from leanlm.eval.perplexity import score
+from leanlm.compress.quant.aqlm import TunedCodebook
 from leanlm.distillation.qat import TunedGroups
+from leanlm.distillation.step import update_codes
+from leanlm.distillation.trainer import Trainer
 from leanlm.lowbit.codebook import AdditiveLinear
 from leanlm.lowbit.linear import W4A8Linear, W4A16Linear
+from leanlm.lowbit.record import replace
 from leanlm.models.loading import load_model
 from leanlm.tokenizer import Tokenizer
 from tests.test_cli import leanlm
@@ -65,6 +69,54 @@ def test_after_aqlm_a_distill_step_tunes_the_codebooks_scales_and_norms_only(tin
     assert all(name.endswith((".codebooks", ".scales", "norm.weight")) for name in changed)
     assert {name.split(".")[-1] for name in changed} == {"codebooks", "scales", "weight"}
     assert _kl(student, teacher, ids[:512]) < 0.8 * kl
+
+
+def test_with_codes_a_distill_step_after_aqlm_moves_some_codes_too(tiny_dir, tmp_path):
+    teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.bfloat16)
+    text = _text(tmp_path)
+    ids = torch.tensor(Tokenizer(tiny_dir).encode(text.read_text()))
+    apply(student, make_config("aqlm", {"bits": 1, "iters": 0, "rounds": 1, "fit_steps": 2, "kmeans_iters": 2}),
+          samples=ids[:256].reshape(8, 32))
+    before = {name: t.clone() for name, t in student.state_dict().items()}
+    kl = _kl(student, teacher, ids[:512])
+    step = make_config("distill", {"teacher": str(tiny_dir), "steps": 30, "lr": 1e-2, "batch_size": 2,
+                                   "seq_len": 16, "data": str(text), "codes": 0.02, "code_every": 5, "code_step": 0.01})
+    apply(student, step)
+    after = student.state_dict()
+    changed = {name for name in after if not torch.equal(after[name], before[name])}
+    assert {name.split(".")[-1] for name in changed} == {"codes", "codebooks", "scales", "weight"}
+    assert all(name.endswith((".codes", ".codebooks", ".scales", "norm.weight")) for name in changed)
+    for name in (n for n in after if n.endswith(".codes")):  # six updates of at most 2% of the groups each
+        moved = (after[name] != before[name]).any(1).float().mean().item()
+        assert moved <= 6 * 0.02 + 1e-6
+    assert _kl(student, teacher, ids[:512]) < kl
+
+
+@pytest.mark.parametrize("move", [0.01, 1.0])
+def test_a_code_update_keeps_only_moves_that_lower_the_loss_of_its_batch(tiny_dir, tmp_path, move):
+    teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.float32)
+    ids = torch.tensor(Tokenizer(tiny_dir).encode(_text(tmp_path).read_text()))
+    apply(student, make_config("aqlm", {"bits": 2, "iters": 0, "rounds": 1, "fit_steps": 2, "kmeans_iters": 2}),
+          samples=ids[:256].reshape(8, 32))
+    books = {name: TunedCodebook.of(m) for name, m in student.named_modules() if isinstance(m, AdditiveLinear)}
+    for name, t in books.items():
+        replace(student, name, t)
+        t.track_gradient()
+    config = make_config("distill", {"teacher": str(tiny_dir), "steps": 1, "batch_size": 4, "seq_len": 64,
+                                     "codes": 0.05, "code_step": move})
+    trainer = Trainer(teacher, student, ids, None, config.trainer_config(True),
+                      trains=lambda name: name.endswith(".books"))
+    tokens = trainer.batch(0, 0)
+    with torch.no_grad():
+        before, codes = trainer.loss(tokens).item(), [t.codes for t in books.values()]
+    trainer.loss(tokens).backward()  # the gradient the update follows
+    update_codes(trainer, list(books.values()), config)
+    with torch.no_grad():
+        after = trainer.loss(tokens).item()
+    moved = sum((t.codes != c).any(1).sum().item() for t, c in zip(books.values(), codes))
+    assert after < before if moved else after == before
+    if move == 0.01:  # a small move is a descent: it is kept
+        assert moved > 0
 
 
 @pytest.mark.parametrize("rotated,options", [(False, {}), (False, {"symmetric": True}), (False, {"act_bits": 8}),
@@ -131,3 +183,9 @@ def test_a_distill_step_after_quantization_or_without_a_budget_is_refused(tiny_d
         make_config("distill", {"teacher": str(tiny_dir)})
     with pytest.raises(LeanLMError, match="needs a teacher"):
         apply(model, make_config("distill", {"steps": 1}))
+    with pytest.raises(LeanLMError, match="share of the groups"):
+        make_config("distill", {"teacher": str(tiny_dir), "steps": 1, "codes": 1.5})
+    int4 = load_model(tiny_dir, torch.bfloat16)
+    apply(int4, make_config("rtn", {"bits": 4, "group_size": 32}))
+    with pytest.raises(LeanLMError, match="AQLM's codebooks only"):
+        apply(int4, make_config("distill", {"teacher": str(tiny_dir), "steps": 1, "codes": 0.01}))

@@ -75,14 +75,14 @@ def assign(targets: torch.Tensor, weights: torch.Tensor, books: torch.Tensor, co
     """Codes for targets [V, 8] under per-dimension weights: without `codes`, codebook by codebook on what the
     earlier ones leave; then each codebook's code re-picked once with the others fixed  # books [C, 256, 8] ->
     [V, C] int64"""
-    C = books.shape[0]
-    if codes is None:
+    C, given = books.shape[0], codes is not None
+    if not given:
         codes = torch.empty(targets.shape[0], C, dtype=torch.int64, device=targets.device)
         rest = targets.clone()
         for c in range(C):
             codes[:, c] = nearest(rest, weights, books[c])
             rest -= books[c][codes[:, c]]
-    if C > 1:
+    if C > 1 or given:  # one greedy codebook is already the nearest
         total = sum(books[c][codes[:, c]] for c in range(C))
         for c in range(C):
             total -= books[c][codes[:, c]]
@@ -174,8 +174,8 @@ def aqlm_quantize(W: torch.Tensor, H: torch.Tensor, codebooks: int = 2, rounds: 
 
 
 class TunedCodebook(nn.Module):
-    """A projection as additive codebooks whose codebooks and scales are parameters (the codes fixed), standing in
-    for the Linear while its block is tuned."""
+    """A projection as additive codebooks whose codebooks and scales are parameters, standing in for the Linear
+    while its block is tuned (the codes fixed) or while the model is distilled (the codes may change: update_codes)."""
 
     def __init__(self, bias: torch.Tensor | None, codes: torch.Tensor, books: torch.Tensor, scales: torch.Tensor):
         """codes [K/8, C, N], books [C, 256, 8], scales [N]"""
@@ -184,6 +184,8 @@ class TunedCodebook(nn.Module):
         self.codes = codes
         self.books = nn.Parameter(books.float())
         self.scales = nn.Parameter(scales.float())
+        self.grad: torch.Tensor | None = None  # d loss / d weight summed since the last update_codes (when tracked)
+        self.h: torch.Tensor | None = None  # and sum of x^2 of each input, the diagonal of the layer's Hessian
 
     @classmethod
     def of(cls, packed: AdditiveLinear) -> "TunedCodebook":
@@ -191,7 +193,53 @@ class TunedCodebook(nn.Module):
         return cls(packed.bias, packed.codes.long(), packed.codebooks.transpose(1, 2), packed.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, _weight(self.codes, self.books, self.scales).to(x.dtype), self.bias)
+        w = _weight(self.codes, self.books, self.scales)
+        if self.grad is not None and w.requires_grad:
+            w.register_hook(self._gather)
+            self.h += x.detach().float().pow(2).reshape(-1, x.shape[-1]).sum(0)
+        return F.linear(x, w.to(x.dtype), self.bias)
+
+    def _gather(self, grad: torch.Tensor) -> None:
+        self.grad += grad
+
+    def track_gradient(self) -> None:
+        """Sum the loss's gradient with respect to the weight and the inputs' squares from now on, for update_codes."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.scales.shape[0], self.codes.shape[0] * DIM, device=self.codes.device)
+            self.h = torch.zeros(self.codes.shape[0] * DIM, device=self.codes.device)
+        self.grad.zero_(), self.h.zero_()
+
+    @torch.no_grad()
+    def update_codes(self, step: float, fraction: float) -> int:
+        """PV-tuning's linearized V step (Malinovskii et al., https://arxiv.org/abs/2405.14852) in the metric of the
+        layer's diagonal Hessian h (the inputs' squares, as the codes were first chosen under): the codes of each
+        8-weight group re-picked (each codebook's once, the others fixed) for the target w - a g / h (g: the
+        gradient summed since the last call; a such that the move's RMS is `step` times the weight's), and kept in
+        the `fraction` of the groups whose weights come nearest it. A kept change moves the weight by d with
+        g.d < -d'hd / 2a: down the loss to first order. The sums stay (track_gradient starts them again). Returns
+        the number of groups changed."""
+        G, C, N = self.codes.shape
+        books, scales = self.books.detach(), self.scales.detach()
+        h = (self.h / self.h.mean()).clamp_min(1e-6)  # [K]
+        w = _weight(self.codes, books, scales)  # [N, K]
+        move = self.grad / h
+        a = step * w.pow(2).mean().sqrt() / move.pow(2).mean().sqrt().clamp_min(1e-30)
+        target = (w - a * move) / torch.where(scales == 0, 1.0, scales)[:, None]
+        target = target.reshape(N, G, DIM).transpose(0, 1).reshape(G * N, DIM)  # groups in the codes' order
+        weights = h.reshape(G, 1, DIM).expand(G, N, DIM).reshape(G * N, DIM)
+        old = self.codes.permute(0, 2, 1).reshape(G * N, C)
+        new = assign(target, weights, books, old.clone())
+
+        def error(codes: torch.Tensor) -> torch.Tensor:  # each group's distance to the target, weight units
+            approx = sum(books[c][codes[:, c]] for c in range(C))
+            return (weights * (target - approx).pow(2)).sum(-1) * scales.repeat(G) ** 2
+
+        gain = error(old) - error(new)
+        top = gain.topk(max(1, int(fraction * G * N))).indices
+        top = top[gain[top] > 0]
+        old[top] = new[top]
+        self.codes = old.reshape(G, N, C).permute(0, 2, 1).contiguous()
+        return top.numel()
 
     def pack(self) -> AdditiveLinear:
         return AdditiveLinear.from_codes(self.codes, self.books, self.scales, self.bias)

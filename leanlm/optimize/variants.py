@@ -104,10 +104,12 @@ DEFAULT = (
     Variant("wanda 2:4 + w8", ({"method": "wanda", "pattern": "2:4"}, W8, HEAD8_G)),
     Variant("neurons 0.9 + w8", ({"method": "neurons", "target_params": 0.9}, W8, HEAD8_G),
             notes="10% of the parameters cut by MLP neurons, no retraining"),
-    Variant("aqlm 2x8+head8", ({"method": "aqlm", "bits": 2, "iters": 50}, {"method": "distill", "steps": 100},
-                               HEAD8_G),
-            notes="~2.2 bits a projection weight (additive codebooks, then 100 steps of end-to-end distillation): the "
-                  "smallest model, at a quality cost"),
+    Variant("aqlm 2x8, down/o 3x8+head8",
+            ({"method": "aqlm", "bits": 2, "iters": 50,
+              "layers": {"layers.*.mlp.down_proj": 3, "layers.*.self_attn.o_proj": 3}},
+             {"method": "distill", "steps": 100}, HEAD8_G),
+            notes="~2.5 bits a projection weight (two additive codebooks, three on down_proj and o_proj, then 100 "
+                  "steps of end-to-end distillation): the smallest model, at a quality cost"),
     Variant("neurons 0.75 + distill + w8", ({"method": "neurons", "target_params": 0.75},
                                             {"method": "distill", "minutes": 10}, W8, HEAD8_G),
             notes="25% of the parameters cut by MLP neurons, then 10 minutes of distillation from the original"),

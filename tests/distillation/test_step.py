@@ -35,6 +35,16 @@ def _kl(student, teacher, ids) -> float:
     return score(student, ids, teacher, window=64)[1].kl
 
 
+def _aqlm_student(tiny_dir, tmp_path, dtype, bits: int = 1):
+    """(float teacher, its quick AQLM student in dtype, the training text's path, its token ids)"""
+    teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, dtype)
+    text = _text(tmp_path)
+    ids = torch.tensor(Tokenizer(tiny_dir).encode(text.read_text()))
+    apply(student, make_config("aqlm", {"bits": bits, "iters": 0, "rounds": 1, "fit_steps": 2, "kmeans_iters": 2}),
+          samples=ids[:256].reshape(8, 32))
+    return teacher, student, text, ids
+
+
 def test_a_distill_step_wins_back_what_pruning_lost(tiny_dir, tmp_path):
     teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.bfloat16)
     apply(student, make_config("magnitude", {"sparsity": 0.5}))
@@ -51,11 +61,7 @@ def test_a_distill_step_wins_back_what_pruning_lost(tiny_dir, tmp_path):
 
 
 def test_after_aqlm_a_distill_step_tunes_the_codebooks_scales_and_norms_only(tiny_dir, tmp_path):
-    teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.bfloat16)
-    text = _text(tmp_path)
-    ids = torch.tensor(Tokenizer(tiny_dir).encode(text.read_text()))
-    apply(student, make_config("aqlm", {"bits": 1, "iters": 0, "rounds": 1, "fit_steps": 2, "kmeans_iters": 2}),
-          samples=ids[:256].reshape(8, 32))
+    teacher, student, text, ids = _aqlm_student(tiny_dir, tmp_path, torch.bfloat16)
     before = {name: t.clone() for name, t in student.state_dict().items()}
     kl = _kl(student, teacher, ids[:512])
     step = make_config("distill", {"teacher": str(tiny_dir), "steps": 30, "lr": 1e-2, "batch_size": 2,
@@ -72,11 +78,7 @@ def test_after_aqlm_a_distill_step_tunes_the_codebooks_scales_and_norms_only(tin
 
 
 def test_with_codes_a_distill_step_after_aqlm_moves_some_codes_too(tiny_dir, tmp_path):
-    teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.bfloat16)
-    text = _text(tmp_path)
-    ids = torch.tensor(Tokenizer(tiny_dir).encode(text.read_text()))
-    apply(student, make_config("aqlm", {"bits": 1, "iters": 0, "rounds": 1, "fit_steps": 2, "kmeans_iters": 2}),
-          samples=ids[:256].reshape(8, 32))
+    teacher, student, text, ids = _aqlm_student(tiny_dir, tmp_path, torch.bfloat16)
     before = {name: t.clone() for name, t in student.state_dict().items()}
     kl = _kl(student, teacher, ids[:512])
     step = make_config("distill", {"teacher": str(tiny_dir), "steps": 30, "lr": 1e-2, "batch_size": 2,
@@ -94,10 +96,7 @@ def test_with_codes_a_distill_step_after_aqlm_moves_some_codes_too(tiny_dir, tmp
 
 @pytest.mark.parametrize("move", [0.01, 1.0])
 def test_a_code_update_keeps_only_moves_that_lower_the_loss_of_its_batch(tiny_dir, tmp_path, move):
-    teacher, student = load_model(tiny_dir, torch.float32), load_model(tiny_dir, torch.float32)
-    ids = torch.tensor(Tokenizer(tiny_dir).encode(_text(tmp_path).read_text()))
-    apply(student, make_config("aqlm", {"bits": 2, "iters": 0, "rounds": 1, "fit_steps": 2, "kmeans_iters": 2}),
-          samples=ids[:256].reshape(8, 32))
+    teacher, student, _, ids = _aqlm_student(tiny_dir, tmp_path, torch.float32, bits=2)
     books = {name: TunedCodebook.of(m) for name, m in student.named_modules() if isinstance(m, AdditiveLinear)}
     for name, t in books.items():
         replace(student, name, t)

@@ -160,6 +160,16 @@ def w8a8_rows(ops, args) -> None:
 ATTENTION = [("smollm2-135m, 32 x 384", 9, 3, 64, 32, 384), ("qwen2.5-coder-1.5b, 1 x 4096", 12, 2, 128, 1, 4096)]
 
 
+def engine_tables(sequences: int, blocks: int, prompt: int) -> torch.Tensor:
+    """The block tables the engine leaves when `sequences` prompts of `prompt` blocks are admitted together and then
+    decode in step: each prompt's blocks in order, every later block interleaved across the sequences (a real
+    `LLM.generate` of 32 prompts of 256 tokens, 128 out, left 9 runs of adjacent blocks a sequence)  # int32"""
+    tables = torch.empty(sequences, blocks, dtype=torch.int32)
+    tables[:, :prompt] = torch.arange(sequences * prompt).view(sequences, prompt)
+    tables[:, prompt:] = sequences * prompt + torch.arange(sequences * (blocks - prompt)).view(-1, sequences).T
+    return tables
+
+
 def attention(ops, args) -> None:
     from leanlm.cache.int8 import quantize_per_token
 
@@ -167,14 +177,16 @@ def attention(ops, args) -> None:
     stream = x.numel() * 4 / seconds(torch.sum, [(x,)], reps=10) / 1e9
     table = Table(title=f"paged decode attention, {args.threads} threads, 30 layers' pools, bf16 queries: "
                         f"microseconds a layer (GB/s of keys and values read; a streaming read: {stream:.1f} GB/s)")
-    for col in ("shape", "leanlm, bf16 pool", "leanlm, bf16 pool, keys by block", "leanlm, int8 pool",
-                "leanlm, int8 pool, keys by block", "leanlm, int4 pool", "gather + SDPA, bf16"):
+    for col in ("shape", "leanlm, bf16 pool", "leanlm, bf16 pool, keys by block",
+                "the same, the engine's block order", "leanlm, int8 pool", "leanlm, int8 pool, keys by block",
+                "leanlm, int4 pool", "gather + SDPA, bf16"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for name, H, Hkv, D, B, L in ATTENTION:
         bs, layers = 16, 30
         g = torch.Generator().manual_seed(0)
         blocks = B * L // bs
         tables = torch.randperm(blocks, generator=g).view(B, L // bs).int()  # blocks anywhere in the pool
+        engine_order = engine_tables(B, L // bs, 256 // bs)
         lens = torch.full((B,), L, dtype=torch.int32)
         q = torch.randn(B, H, D, generator=g).bfloat16()
         pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(layers)]
@@ -197,6 +209,8 @@ def attention(ops, args) -> None:
 
         runs = [(ops.paged_attention, [(q, k, v, tables, lens, bs) for k, v in pools], 2),
                 (ops.paged_attention, [(q, keys, v, tables, lens, bs) for keys, (_, v) in zip(by_block, pools)], 2),
+                (ops.paged_attention, [(q, keys, v, engine_order, lens, bs) for keys, (_, v) in zip(by_block, pools)],
+                 2),
                 (ops.paged_attention, [(q, kq, vq, tables, lens, bs, ks, vs) for kq, ks, vq, vs in int8], 1 + 4 / D),
                 (ops.paged_attention, [(q, keys, vq, tables, lens, bs, ks, vs) for keys, (_, ks, vq, vs) in
                                        zip(int8_by_block, int8)], 1 + 4 / D),

@@ -178,8 +178,8 @@ def attention(ops, args) -> None:
     table = Table(title=f"paged decode attention, {args.threads} threads, 30 layers' pools, bf16 queries: "
                         f"microseconds a layer (GB/s of keys and values read; a streaming read: {stream:.1f} GB/s)")
     for col in ("shape", "leanlm, bf16 pool", "leanlm, bf16 pool, keys by block",
-                "the same, the engine's block order", "leanlm, int8 pool", "leanlm, int8 pool, keys by block",
-                "leanlm, int4 pool", "gather + SDPA, bf16"):
+                "the same, the engine's block order", "the same, each sequence in order", "leanlm, int8 pool",
+                "leanlm, int8 pool, keys by block", "leanlm, int4 pool", "gather + SDPA, bf16"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for name, H, Hkv, D, B, L in ATTENTION:
         bs, layers = 16, 30
@@ -187,6 +187,7 @@ def attention(ops, args) -> None:
         blocks = B * L // bs
         tables = torch.randperm(blocks, generator=g).view(B, L // bs).int()  # blocks anywhere in the pool
         engine_order = engine_tables(B, L // bs, 256 // bs)
+        in_order = torch.arange(blocks, dtype=torch.int32).view(B, L // bs)
         lens = torch.full((B,), L, dtype=torch.int32)
         q = torch.randn(B, H, D, generator=g).bfloat16()
         pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(layers)]
@@ -211,6 +212,7 @@ def attention(ops, args) -> None:
                 (ops.paged_attention, [(q, keys, v, tables, lens, bs) for keys, (_, v) in zip(by_block, pools)], 2),
                 (ops.paged_attention, [(q, keys, v, engine_order, lens, bs) for keys, (_, v) in zip(by_block, pools)],
                  2),
+                (ops.paged_attention, [(q, keys, v, in_order, lens, bs) for keys, (_, v) in zip(by_block, pools)], 2),
                 (ops.paged_attention, [(q, kq, vq, tables, lens, bs, ks, vs) for kq, ks, vq, vs in int8], 1 + 4 / D),
                 (ops.paged_attention, [(q, keys, vq, tables, lens, bs, ks, vs) for keys, (_, ks, vq, vs) in
                                        zip(int8_by_block, int8)], 1 + 4 / D),

@@ -114,12 +114,14 @@ def distill(model, config: Distill, progress=None, samples=None) -> dict[str, di
         replace(model, name, t)
     learns = {f"{name}.{p}" for name, t in tuned.items() for p, v in t.named_parameters() if v.requires_grad}
     trains = (lambda name: name in learns or name.endswith("norm.weight")) if tuned else (lambda name: True)
-    for t in books if config.codes else ():
-        t.track_gradient()
+    after_step = None
+    if config.codes:
+        for t in books:
+            t.track_gradient()
 
-    def after_step(trainer: Trainer) -> None:
-        if config.codes and (trainer.step + 1) % config.code_every == 0:
-            update_codes(trainer, books, config)
+        def after_step(trainer: Trainer) -> None:
+            if (trainer.step + 1) % config.code_every == 0:
+                update_codes(trainer, books, config)
 
     Trainer(teacher, model, ids, None, config.trainer_config(bool(tuned)), trains=trains,
             after_step=after_step).run(progress=False)

@@ -163,11 +163,13 @@ class HasBlocks(Protocol):
     block_table: list[int]
     block_keys: list[bytes]   # prefix keys of the leading full blocks that are registered
     num_cached: int           # leading tokens found in the prefix cache at allocation
+    max_len: int              # tokens it may hold when it ends: its blocks are kept in a row where they can be
 
 
 class BlockManager:
     """Who holds which block: reference counts, the prefix cache (key -> block) and the free blocks, least
-    recently freed first. Owns no tensors: the runner reads and writes the pool by the block tables."""
+    recently freed first; each sequence's blocks placed in a row where they can be (`_next`). Owns no tensors: the
+    runner reads and writes the pool by the block tables."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
@@ -175,6 +177,9 @@ class BlockManager:
         self.key_of: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # key -> block holding exactly those tokens after exactly that prefix
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.shared = [False] * num_blocks  # found by a prefix hit since its contents were written
+        self.reach = [0] * num_blocks  # a held block's span ends here: its holder may grow up to it
+        self.cursor = 0  # where the next run of blocks is looked for
         self.queries = self.hits = 0  # prefix-cache lookups and hits, in tokens
 
     @property
@@ -186,15 +191,66 @@ class BlockManager:
         """Fraction of blocks held by a running sequence."""
         return 1 - len(self.free) / self.num_blocks
 
-    def _take(self) -> int:
-        block, _ = self.free.popitem(last=False)
+    def _take(self, block: int | None = None) -> int:
+        """Take `block` (free), or else the least recently freed one; its cached contents are forgotten."""
+        if block is None:
+            block, _ = self.free.popitem(last=False)
+        else:
+            del self.free[block]
         key = self.key_of[block]
         if key is not None:  # evicted: its contents are about to be overwritten
             if self.cached.get(key) == block:
                 del self.cached[key]
             self.key_of[block] = None
+            self.shared[block] = False
         self.ref[block] = 1
         return block
+
+    def _next(self, seq: HasBlocks) -> int:
+        """Take the block seq's next positions go in. A sequence's blocks in order are read faster than scattered
+        ones (benchmarks/kernels.py, section a), so: the block after its last one if that is free, else the first of
+        a run of free blocks long enough for all seq may still write (its span), looked for from where the last run
+        was placed (next fit), past the spans other sequences have yet to grow into. Blocks that a prefix hit found
+        are left to the least-recently-freed order, taken only when no free block is in reach."""
+        table = seq.block_table
+        if table and table[-1] + 1 < self.num_blocks and self._loose(table[-1] + 1):
+            self.reach[table[-1] + 1] = max(self.reach[table[-1]], table[-1] + 2)
+            return self._take(table[-1] + 1)
+        want = max(1, cdiv(seq.max_len, self.block_size) - len(table))
+        start, _ = self._run(want)
+        if start is None:  # the free blocks are all in others' spans: take the second half of the longest gap
+            start, length = self._run(want, fenced=False)
+            if start and self.ref[start - 1]:
+                start += length // 2
+        if start is None:
+            block = self._take()
+            self.reach[block] = block + 1
+            return block
+        self.reach[start] = min(start + want, self.num_blocks)
+        self.cursor = self.reach[start] % self.num_blocks
+        return self._take(start)
+
+    def _loose(self, block: int) -> bool:
+        """Free, and not a block a prefix hit found."""
+        return self.ref[block] == 0 and not self.shared[block]
+
+    def _run(self, want: int, fenced: bool = True) -> tuple[int | None, int]:
+        """(first block, length) of the first run of `want` loose blocks from the cursor on, or else of the longest
+        run (None: no loose block); fenced, past every held block's span. Runs do not wrap past the pool's end."""
+        best, best_length = None, 0
+        for block, end in ((self.cursor, self.num_blocks), (0, self.cursor)):
+            length = 0
+            while block < end:
+                if fenced and self.ref[block]:
+                    block, length = max(block + 1, self.reach[block]), 0
+                    continue
+                length = length + 1 if self._loose(block) else 0
+                if length > best_length:
+                    best, best_length = block - length + 1, length
+                    if length >= want:
+                        return best, best_length
+                block += 1
+        return best, best_length
 
     def allocate(self, seq: HasBlocks, reserve: int = 0, reuse: bool = True) -> bool:
         """Admit seq: take the longest cached prefix of its tokens (never the block of the last token, which must be
@@ -217,6 +273,7 @@ class BlockManager:
             if self.ref[block] == 0:
                 del self.free[block]
             self.ref[block] += 1
+            self.shared[block] = True
         seq.block_table = hits
         seq.block_keys, seq.num_cached = keys, len(hits) * bs
         self.queries += len(tokens)
@@ -228,7 +285,8 @@ class BlockManager:
         need = cdiv(num_tokens, self.block_size) - len(seq.block_table)
         if need > len(self.free):
             return False
-        seq.block_table += [self._take() for _ in range(need)]
+        for _ in range(need):
+            seq.block_table.append(self._next(seq))
         return True
 
     def room(self, seq: HasBlocks) -> int:
@@ -260,7 +318,7 @@ class BlockManager:
         child.block_keys, child.num_cached = list(parent.block_keys[:full]), 0
         if not partial:
             return []
-        child.block_table.append(self._take())
+        child.block_table.append(self._next(child))
         return [(parent.block_table[full], child.block_table[-1])]
 
     def release(self, seq: HasBlocks) -> None:

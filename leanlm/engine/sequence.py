@@ -47,6 +47,11 @@ class Sequence:
         return len(self.prompt_ids)
 
     @property
+    def max_len(self) -> int:
+        """Tokens it holds if it runs to max_tokens."""
+        return self.num_prompt + self.max_tokens
+
+    @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
 

@@ -19,6 +19,7 @@ class Seq:
     block_table: list = field(default_factory=list)
     block_keys: list = field(default_factory=list)
     num_cached: int = 0
+    max_len: int = 0
 
 
 def test_prefix_reuse_and_lru_eviction():
@@ -100,6 +101,7 @@ def test_random_workload_leaks_no_block():
         if op < 0.35:
             prefix = rng.choice([[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4]])
             s = Seq(prefix + [rng.randrange(100) for _ in range(rng.randrange(1, 20))])
+            s.max_len = len(s.token_ids) + rng.randrange(40)  # spans: from none to more than the pool
             if bm.allocate(s, reserve=rng.randrange(3)) and bm.grow(s, len(s.token_ids)):
                 live.append(s)
             else:
@@ -114,7 +116,7 @@ def test_random_workload_leaks_no_block():
                 live.remove(s)
         elif op < 0.8 and live:
             parent = rng.choice(live)
-            child = Seq(list(parent.token_ids))
+            child = Seq(list(parent.token_ids), max_len=parent.max_len)
             if bm.fork(parent, child) is not None:
                 live.append(child)
         elif live:
@@ -127,6 +129,75 @@ def test_random_workload_leaks_no_block():
         bm.release(s)
     assert bm.num_free == bm.num_blocks and not any(bm.ref)
     assert all(bm.key_of[b] == k for k, b in bm.cached.items())
+
+
+def runs(table: list[int]) -> int:
+    """Runs of adjacent blocks in a block table."""
+    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:]))
+
+
+def test_sequences_decoding_together_keep_their_blocks_in_a_row():
+    """Prompts admitted together and decoding in step (the engine's order of growth, which scattered the later
+    blocks when each took the least recently freed one) each get one run of blocks, and so do the next ones."""
+    bm = BlockManager(num_blocks=100, block_size=4)
+    for wave in range(3):
+        seqs = [Seq([wave, i] + [7] * 10, max_len=12 + 8) for i in range(4)]  # 3 blocks of prompt, 5 in the end
+        for s in seqs:
+            assert bm.allocate(s) and bm.grow(s, 12)
+        for _ in range(8):
+            for s in seqs:
+                s.token_ids.append(1)
+                assert bm.grow(s, len(s.token_ids))
+        assert [runs(s.block_table) for s in seqs] == [1, 1, 1, 1] and all(len(s.block_table) == 5 for s in seqs)
+        for s in seqs:
+            bm.release(s)
+
+
+def test_a_gap_in_a_holders_span_is_left_to_it():
+    """A sequence admitted later places its blocks past the span its predecessor may still grow into, even where
+    the free blocks before it come first in the cursor's path or the least-recently-freed order."""
+    bm = BlockManager(num_blocks=30, block_size=4)
+    a, b = Seq([1] * 4, max_len=40), Seq([2] * 4, max_len=40)  # spans of 10 blocks
+    assert bm.allocate(a) and bm.grow(a, 4) and bm.allocate(b) and bm.grow(b, 4)
+    assert b.block_table[0] >= a.block_table[0] + 10
+    bm.cursor = 0  # a later run looked for from the pool's start still passes over a's span
+    c = Seq([3] * 4, max_len=8)
+    assert bm.allocate(c) and bm.grow(c, 4) and c.block_table[0] not in range(a.block_table[0], a.block_table[0] + 10)
+    assert bm.grow(a, 40) and runs(a.block_table) == 1
+
+
+def test_spans_larger_than_the_pool_share_it():
+    """When every free block lies in some holder's span, a new sequence takes the second half of the longest gap,
+    and every block is still handed out: placement never refuses a free block."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+    a = Seq([1] * 4, max_len=400)
+    assert bm.allocate(a) and bm.grow(a, 4)
+    b = Seq([2] * 4, max_len=400)
+    assert bm.allocate(b) and bm.grow(b, 4) and b.block_table == [a.block_table[0] + 6]
+    assert bm.grow(a, 24) and bm.grow(b, 24) and bm.num_free == 0
+    assert sorted(a.block_table + b.block_table) == list(range(12))
+
+
+def test_prefix_hits_outlive_blocks_nobody_asked_for_again():
+    """A freed block that a prefix hit found is taken only after every other free block (the least-recently-freed
+    order alone would take it first, freed first); a block found by no one goes back like any other."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    system = [9] * 4
+    a = Seq(system + [1], max_len=5)
+    assert bm.allocate(a) and bm.grow(a, 5)
+    bm.commit(a, 5)
+    b = Seq(system + [2], max_len=5)
+    assert bm.allocate(b) and b.num_cached == 4 and bm.grow(b, 5)
+    hot = a.block_table[0]
+    rest = Seq([4] * 20, max_len=20)  # the other five blocks, freed after the hit
+    assert bm.allocate(rest) and bm.grow(rest, 20) and bm.num_free == 0
+    for s in (a, b, rest):
+        bm.release(s)
+    fill = Seq([5] * 28, max_len=28)  # seven blocks: every free one but the hit
+    assert bm.allocate(fill, reuse=False) and bm.grow(fill, 28) and hot not in fill.block_table
+    assert bm.cached[block_key(None, system)] == hot
+    more = Seq([6] * 4, max_len=4)
+    assert bm.allocate(more) and bm.grow(more, 4) and more.block_table == [hot] and not bm.cached
 
 
 def test_pool_size_follows_the_budget(tmp_path):

@@ -1134,7 +1134,9 @@ at::Tensor int4_q8_gemm(const at::Tensor& xq, const at::Tensor& xs, const at::Te
 // softmax exponentials are vector too (exp16). When sequences are too few to keep every thread busy, a sequence's
 // tokens (or kv heads, when too short) are split across threads; each part of the tokens keeps its own max, sum and
 // weighted values, merged by log-sum-exp at the end.
-// Rows are 16-float vectors (GCC vector extensions: AVX-512 here, pairs of AVX2 ops or plain code elsewhere).
+// Rows are 16-float vectors (GCC vector extensions: AVX-512 here, pairs of AVX2 ops or plain code elsewhere). GCC
+// keeps such vectors in memory on AVX2, which left decode attention at 2 GB/s on Zen 3: there the keys by block
+// and the bf16 and float value rows go through 8-float intrinsics instead (3.4x).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -1229,12 +1231,23 @@ inline float sum16(f32x16 v) {
   return s;
 }
 
-// Row conversions for the value pass: 32 entries as two float vectors in the order AVX-512's unpack of bf16 gives
-// (lo: entries 0-3, 8-11, 16-19, 24-27; hi: the other 16), one instruction each; the weighted sums keep that
-// order and unpermute() restores it once at the end. A row of odd D / 16 ends in one vector in plain order.
+// Row conversions for the value pass: with AVX-512, 32 entries as two float vectors in the order its unpack of bf16
+// gives (lo: entries 0-3, 8-11, 16-19, 24-27; hi: the other 16), one instruction each; the weighted sums keep that
+// order and unpermute() restores it once at the end. A row of odd D / 16 ends in one vector in plain order. Elsewhere
+// the order is plain: GCC lowers the permuting shuffle of 16-float vectors on AVX2 to a lane-by-lane copy through
+// memory, which left decode attention at ~2 GB/s on Zen 3.
+#if defined(LEANLM_AVX512)
+constexpr bool kPairs = true;
+#else
+constexpr bool kPairs = false;
+#endif
 constexpr int kPairOrder[32] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27,
                                 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
 inline void to_pairs(f32x16 a, f32x16 b, f32x16& lo, f32x16& hi) {  // 32 entries in plain order -> load32's
+  if constexpr (!kPairs) {
+    lo = a, hi = b;
+    return;
+  }
   lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
 }
@@ -1251,9 +1264,11 @@ inline void load32(const S* p, f32x16& lo, f32x16& hi) {
   to_pairs(load16(p), load16(p + 16), lo, hi);
 }
 inline void unpermute(const f32x16* v, int64_t V, float* out) {  // V vectors in load32's order -> out [16 V]
-  for (int64_t j = 0; j + 1 < V; j += 2)
-    for (int i = 0; i < 32; ++i) out[j * 16 + kPairOrder[i]] = v[j + i / 16][i % 16];
-  if (V % 2) store16(out + (V - 1) * 16, v[V - 1]);
+  int64_t j = 0;
+  if constexpr (kPairs)
+    for (; j + 1 < V; j += 2)
+      for (int i = 0; i < 32; ++i) out[j * 16 + kPairOrder[i]] = v[j + i / 16][i % 16];
+  for (; j < V; ++j) store16(out + j * 16, v[j]);
 }
 
 #if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
@@ -1298,6 +1313,28 @@ inline f32x16 pair_dot(f32x16 acc, u32x16 a, uint32_t x) {
 template <int N>
 inline void blocked_scores(const bf16* q, int64_t D, const bf16* run, int64_t stride, float scale, float* s,
                            int64_t width) {
+#if defined(LEANLM_AVX2)  // 8-float registers by hand: GCC keeps 16-float vectors in memory on AVX2 (~2 GB/s)
+  __m256 a[N][2];  // tokens 0-7 and 8-15 of the run, a head
+  for (int g = 0; g < N; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+  const uint32_t* qw = (const uint32_t*)q;
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  for (int64_t p = 0; p < D / 2; ++p) {  // channels 2p (a word's low half) and 2p + 1 of 16 tokens
+    __m256 lo[2], hi[2];
+    for (int j = 0; j < 2; ++j) {
+      const __m256i k = _mm256_loadu_si256((const __m256i*)(run + p * stride + 16 * j));
+      lo[j] = _mm256_castsi256_ps(_mm256_slli_epi32(k, 16));
+      hi[j] = _mm256_castsi256_ps(_mm256_and_si256(k, high));
+    }
+    for (int g = 0; g < N; ++g) {
+      const uint32_t x = qw[g * D / 2 + p];
+      const __m256 xl = _mm256_castsi256_ps(_mm256_set1_epi32(int(x << 16)));
+      const __m256 xh = _mm256_castsi256_ps(_mm256_set1_epi32(int(x & 0xffff0000u)));
+      for (int j = 0; j < 2; ++j) a[g][j] = _mm256_fmadd_ps(hi[j], xh, _mm256_fmadd_ps(lo[j], xl, a[g][j]));
+    }
+  }
+  for (int g = 0; g < N; ++g)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(s + g * width + 8 * j, _mm256_mul_ps(a[g][j], _mm256_set1_ps(scale)));
+#else
   f32x16 a[N][2] = {};
   const uint32_t* qw = (const uint32_t*)q;  // a query's channel pair p is word p
   for (int64_t p = 0; p < D / 2; p += 2)
@@ -1307,6 +1344,7 @@ inline void blocked_scores(const bf16* q, int64_t D, const bf16* run, int64_t st
       for (int g = 0; g < N; ++g) a[g][j] = pair_dot(a[g][j], kv, qw[g * D / 2 + p + j]);
     }
   for (int g = 0; g < N; ++g) store16(s + g * width, (a[g][0] + a[g][1]) * scale);
+#endif
 }
 
 // 32 int8 codes as 16 lanes of int16 pairs (lane i: codes 2i, 2i + 1, the low half first)
@@ -1352,7 +1390,7 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
 template <typename S>
 struct PoolRows {
   static constexpr bool kBf16 = std::is_same_v<S, bf16>;  // rows vdpbf16ps can read in place
-  static constexpr bool kBlocked = false;
+  static constexpr bool kBlocked = false, kFloatRows = !std::is_same_v<S, int8_t>;  // bf16 or float: no scales
   const S* base;
   const float* scales;  // int8: [slots, Hkv]; else null
   int64_t Hkv, D;
@@ -1426,7 +1464,7 @@ inline f32x16 nibbles16(const uint8_t* c) {  // 8 bytes of 4-bit codes (channel 
 // a block still filling read exact from `side` [entries * bs, Hkv, D] where entry_of[block] names one.
 template <typename T>
 struct Int4Rows {
-  static constexpr bool kBf16 = false, kBlocked = false;
+  static constexpr bool kBf16 = false, kBlocked = false, kFloatRows = false;
   const uint8_t* codes;
   const uint16_t *scale, *low;
   const T *side, *sink;
@@ -1457,6 +1495,31 @@ struct Int4Rows {
       for (int64_t j = 0; j + 1 < V; j += 2) to_pairs(f32x16(r[j]), f32x16(r[j + 1]), r[j], r[j + 1]);
   }
 };
+
+#if defined(LEANLM_AVX2)
+// The value pass in 8-float registers (GCC keeps 16-float vectors in memory on AVX2): out [D] += p[t] row t, for
+// count rows of D = 16 VT floats (VT a multiple of 4), 64 channels at a time in 8 accumulators.
+template <int VT>
+inline void weigh_rows(const float* rows, int64_t count, const float* p, float* out) {
+  constexpr int64_t D = 16 * VT;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m256 o[8];
+    for (int j = 0; j < 8; ++j) o[j] = _mm256_loadu_ps(out + d0 + 8 * j);
+    for (int64_t t = 0; t < count; ++t) {
+      const __m256 w = _mm256_broadcast_ss(p + t);
+      for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows + t * D + d0 + 8 * j), o[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + d0 + 8 * j, o[j]);
+  }
+}
+inline void widen_row(const bf16* src, float* dst, int64_t D) {
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + d)));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+  }
+}
+inline void widen_row(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+#endif
 
 // One work item: query heads h0 * G .. (h0 + heads) * G of sequence b against its tokens [t0, t1), leaving each
 // query head's softmax max, sum and unnormalized output (m, l [H], acc [H, D] at this item's heads). VT: D / 16 as a
@@ -1573,6 +1636,22 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
     m[h0 * G + g] = mg;
     l[h0 * G + g] = sum16(total);
   }
+#if defined(LEANLM_AVX2)
+  if constexpr (VT > 0 && VT % 4 == 0 && Vs::kFloatRows) {
+    float* out = acc + h0 * G * D;  // [heads * G, D]: the weighted values in plain order
+    float* rowf = (float*)rows;     // 16 tokens' rows of D floats
+    std::fill(out, out + heads * G * D, 0.f);
+    for (int64_t c = 0; c < n; c += 16)
+      for (int64_t h = 0; h < heads; ++h) {
+        if (h == 0) find_slots(c);
+        const int64_t count = std::min<int64_t>(16, n - c);
+        for (int64_t t = 0; t < next_count; ++t) values.prefetch(next_of[t], h0 + h);
+        for (int64_t t = 0; t < count; ++t) widen_row(values.row(slot_of[t], h0 + h), rowf + t * D, D);
+        for (int64_t g = h * G; g < (h + 1) * G; ++g) weigh_rows<VT>(rowf, count, scores + g * width + c, out + g * D);
+      }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < heads * G * V; ++i) qv[i] = f32x16{};  // qv now accumulates the weighted values
   for (int64_t c = 0; c < n; c += 16)
     for (int64_t h = 0; h < heads; ++h) {

@@ -160,14 +160,38 @@ def w8a8_rows(ops, args) -> None:
 ATTENTION = [("smollm2-135m, 32 x 384", 9, 3, 64, 32, 384), ("qwen2.5-coder-1.5b, 1 x 4096", 12, 2, 128, 1, 4096)]
 
 
-def engine_tables(sequences: int, blocks: int, prompt: int) -> torch.Tensor:
-    """The block tables the engine leaves when `sequences` prompts of `prompt` blocks are admitted together and then
-    decode in step: each prompt's blocks in order, every later block interleaved across the sequences (a real
-    `LLM.generate` of 32 prompts of 256 tokens, 128 out, left 9 runs of adjacent blocks a sequence)  # int32"""
+def lru_tables(sequences: int, blocks: int, prompt: int) -> torch.Tensor:
+    """The block tables the engine left while every block came least recently freed first (before the block
+    manager placed each sequence's blocks in a row): each prompt's blocks in order, every later block interleaved
+    across the sequences (9 runs of adjacent blocks a sequence in a real `LLM.generate` of 32 x 256 in, 128 out)"""
     tables = torch.empty(sequences, blocks, dtype=torch.int32)
     tables[:, :prompt] = torch.arange(sequences * prompt).view(sequences, prompt)
     tables[:, prompt:] = sequences * prompt + torch.arange(sequences * (blocks - prompt)).view(-1, sequences).T
     return tables
+
+
+def engine_tables(sequences: int, length: int, prompt: int, block_size: int) -> torch.Tensor:
+    """The block tables the engine's scheduler gives `sequences` requests of `prompt` tokens (distinct, no prefix
+    hits) and `length - prompt` out, admitted together, once each holds `length` tokens, in a pool of just
+    their blocks (and the scratch block)  # int32"""
+    from leanlm.engine.config import EngineConfig
+    from leanlm.engine.scheduler import Scheduler
+    from leanlm.engine.sequence import Sequence
+    from leanlm.generation.sampling import SamplingParams
+
+    scheduler = Scheduler(EngineConfig(max_num_seqs=sequences), sequences * length // block_size + 1)
+    seqs = [Sequence(str(i), 0, [i] * prompt, SamplingParams(max_tokens=length - prompt), length - prompt, set(),
+                     None) for i in range(sequences)]
+    for seq in seqs:
+        scheduler.add(seq)
+    while any(len(seq.token_ids) < length for seq in seqs):
+        for seq, n in scheduler.schedule():
+            seq.num_computed += n
+            if seq.remaining == 0 and len(seq.token_ids) < length:
+                seq.token_ids.append(0)  # the sampled token, fed in the next step
+    for seq in seqs:
+        scheduler.blocks.grow(seq, length)  # the last sampled token's block, taken when it is fed
+    return torch.tensor([seq.block_table for seq in seqs], dtype=torch.int32)
 
 
 def attention(ops, args) -> None:
@@ -178,16 +202,15 @@ def attention(ops, args) -> None:
     table = Table(title=f"paged decode attention, {args.threads} threads, 30 layers' pools, bf16 queries: "
                         f"microseconds a layer (GB/s of keys and values read; a streaming read: {stream:.1f} GB/s)")
     for col in ("shape", "leanlm, bf16 pool", "leanlm, bf16 pool, keys by block",
-                "the same, the engine's block order", "the same, each sequence in order", "leanlm, int8 pool",
-                "leanlm, int8 pool, keys by block", "leanlm, int4 pool", "gather + SDPA, bf16"):
+                "the same, least recently freed first (before)", "the same, the engine's block order",
+                "leanlm, int8 pool", "leanlm, int8 pool, keys by block", "leanlm, int4 pool", "gather + SDPA, bf16"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for name, H, Hkv, D, B, L in ATTENTION:
         bs, layers = 16, 30
         g = torch.Generator().manual_seed(0)
         blocks = B * L // bs
         tables = torch.randperm(blocks, generator=g).view(B, L // bs).int()  # blocks anywhere in the pool
-        engine_order = engine_tables(B, L // bs, 256 // bs)
-        in_order = torch.arange(blocks, dtype=torch.int32).view(B, L // bs)
+        lru_order, engine_order = lru_tables(B, L // bs, 256 // bs), engine_tables(B, L, 256, bs)
         lens = torch.full((B,), L, dtype=torch.int32)
         q = torch.randn(B, H, D, generator=g).bfloat16()
         pools = [[torch.randn(blocks * bs, Hkv, D, generator=g).bfloat16() for _ in range(2)] for _ in range(layers)]
@@ -210,9 +233,9 @@ def attention(ops, args) -> None:
 
         runs = [(ops.paged_attention, [(q, k, v, tables, lens, bs) for k, v in pools], 2),
                 (ops.paged_attention, [(q, keys, v, tables, lens, bs) for keys, (_, v) in zip(by_block, pools)], 2),
+                (ops.paged_attention, [(q, keys, v, lru_order, lens, bs) for keys, (_, v) in zip(by_block, pools)], 2),
                 (ops.paged_attention, [(q, keys, v, engine_order, lens, bs) for keys, (_, v) in zip(by_block, pools)],
                  2),
-                (ops.paged_attention, [(q, keys, v, in_order, lens, bs) for keys, (_, v) in zip(by_block, pools)], 2),
                 (ops.paged_attention, [(q, kq, vq, tables, lens, bs, ks, vs) for kq, ks, vq, vs in int8], 1 + 4 / D),
                 (ops.paged_attention, [(q, keys, vq, tables, lens, bs, ks, vs) for keys, (_, ks, vq, vs) in
                                        zip(int8_by_block, int8)], 1 + 4 / D),

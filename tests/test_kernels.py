@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -251,7 +252,7 @@ def test_a_bf16_linear_runs_the_kernel_for_a_few_rows_and_keeps_autograd(monkeyp
     layer = Linear(64, 24, bias=True).bfloat16()
     x = torch.randn(3, 64).bfloat16()
     ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
-    assert kernels.bf16_rows() in (0, *kernels.TIMED_ROWS)  # measured once; later calls read it
+    assert kernels.bf16_rows() in (0, *kernels.TIMED_ROWS, 32, 64, 128, 256)  # measured once; later calls read it
     monkeypatch.setitem(kernels._loaded, "bf16_rows", 4)  # as if the kernel were measured faster up to 4 rows
     monkeypatch.setattr(kernels, "ops", lambda: type("Ops", (), {"bf16_gemm": lambda *a: calls.append(1) or real(*a)}))
     with torch.no_grad():
@@ -262,6 +263,27 @@ def test_a_bf16_linear_runs_the_kernel_for_a_few_rows_and_keeps_autograd(monkeyp
         assert not calls
     layer(x).sum().backward()  # weights that want gradients take torch's product, which has a backward
     assert not calls and layer.weight.grad is not None
+
+
+def test_bf16_rows_are_timed_against_the_product_a_linear_falls_back_to(monkeypatch):
+    """Without a bf16 GEMM (AVX2 only) a Linear past bf16_rows upcasts to float32: the kernel is timed against that
+    product, up to 256 rows, not against torch's bf16 GEMM (~0.3 GFLOP/s there), which capped it at 16 rows where it
+    beat the float32 product up to 64; with a bf16 GEMM, against that GEMM at TIMED_ROWS as before."""
+    import leanlm.runtime as runtime
+
+    seen = {}
+
+    def faster_rows(ours, theirs, w, make_x, rows=kernels.TIMED_ROWS):
+        seen.update(rows=rows, out=theirs(make_x(2), w))
+        return 7
+
+    monkeypatch.setattr(kernels, "faster_rows", faster_rows)
+    monkeypatch.setattr(runtime, "matmul_dtype", lambda dtype, device: torch.float32)
+    assert kernels._time_bf16_rows(SimpleNamespace(bf16_gemm=None)) == 7
+    assert seen["rows"][-1] == 256 and seen["out"].dtype == torch.float32
+    monkeypatch.setattr(runtime, "matmul_dtype", lambda dtype, device: dtype)
+    kernels._time_bf16_rows(SimpleNamespace(bf16_gemm=None))
+    assert seen["rows"] == kernels.TIMED_ROWS and seen["out"].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("N, K, M", [(37, 200, 1), (37, 200, 3), (37, 200, 19), (130, 576, 1), (130, 576, 3),

@@ -199,8 +199,9 @@ def bf16_product(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def bf16_rows() -> int:
-    """Rows of x up to which bf16_gemm is faster than torch's bf16 GEMM on this CPU (0: never), timed once per
-    machine (~20 ms, _measured_once) on an 8 MB weight, beyond the L2 cache as a model's are. The two differ by
+    """Rows of x up to which bf16_gemm is faster than torch's bf16 GEMM on this CPU, or than the float32 product a
+    Linear falls back to where the CPU has none (0: never), timed once per machine (~20 ms, ~2 s without a bf16
+    GEMM: _time_bf16_rows; _measured_once) on an 8 MB weight, beyond the L2 cache as a model's are. The two differ by
     CPU: on Zen 4 torch's GEMM read weights at 2-14 GB/s at 2-8 rows against the kernel's 17 at one row, so the
     kernel won up to 16 rows; with AMX (Sapphire Rapids) torch's GEMM streams at ~25 GB/s at any of those row counts
     while the kernel's `vdpbf16ps` loop turns compute-bound, 2-4x slower from 8 rows on. With AMX: AMX_BF16_ROWS,
@@ -250,9 +251,16 @@ def _locked(path: Path):
 
 
 def _time_bf16_rows(ns) -> int:
-    w = torch.randn(4096, 1024, device="cpu").to(torch.bfloat16)  # on the CPU even inside a meta-device context
-    return faster_rows(ns.bf16_gemm, torch.nn.functional.linear, w,
-                       lambda m: torch.randn(m, 1024, device="cpu").to(torch.bfloat16))
+    """Against what a Linear does past the kernel's rows: torch's bf16 GEMM, or where the CPU has none (AVX2 only,
+    runtime.matmul_dtype) the product upcast to float32, which the kernel beat up to 64 rows on Zen 3 (a 32-row
+    layer 1.4x), so there it is timed up to 256 rows."""
+    from leanlm.runtime import matmul_dtype
+
+    cpu = torch.device("cpu")  # on the CPU even inside a meta-device context
+    w, cdt = torch.randn(4096, 1024, device=cpu).to(torch.bfloat16), matmul_dtype(torch.bfloat16, cpu)
+    rows = TIMED_ROWS if cdt == torch.bfloat16 else TIMED_ROWS + (32, 64, 128, 256)
+    return faster_rows(ns.bf16_gemm, lambda x, w: torch.nn.functional.linear(x.to(cdt), w.to(cdt)), w,
+                       lambda m: torch.randn(m, 1024, device=cpu).to(torch.bfloat16), rows)
 
 
 def int8_rows() -> int:

@@ -34,14 +34,15 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
 
 def keys_by_block(dtype: torch.dtype, device, block_size: int, int8: bool = False) -> bool:
     """Whether a pool of these entries keeps its keys by block (KVPool): on a CPU, blocks a multiple of 16 tokens,
-    bf16 entries where the kernels have bf16 dot products or AVX2 (FMAs on each pair's two halves), int8 codes where
-    they have AVX-512 VNNI (int16 pair products). Their decode and prefill attention read them in place; elsewhere a
-    gather by block would cost more than the layout saves."""
+    bf16 entries where the kernels have bf16 dot products, int8 codes where they have AVX-512 VNNI (int16 pair
+    products), and both on AVX2 (FMAs on each pair's halves; `vpmaddwd`). Their decode and prefill attention read
+    them in place; elsewhere (plain loops) a gather by block would cost more than the layout saves."""
     if torch.device(device or "cpu").type != "cpu" or block_size % 16 or (dtype != torch.bfloat16 and not int8):
         return False
     ops = kernels.ops()
-    return ops is not None and (ops.isa() == "avx512" if int8 else ops.bf16_isa() == "avx512bf16" or
-                                ops.isa() == "avx2")
+    if ops is None:
+        return False
+    return ops.isa() in ("avx512", "avx2") if int8 else ops.bf16_isa() == "avx512bf16" or ops.isa() == "avx2"
 
 
 def put(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:

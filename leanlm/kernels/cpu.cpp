@@ -1374,6 +1374,26 @@ inline i32x16 pair_dot16(i32x16 acc, i32x16 a, uint32_t x) {
 template <int N>
 inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const int8_t* run, int64_t stride,
                            f32x16 ks, float* s, int64_t width) {
+#if defined(LEANLM_AVX2)  // `vpmaddwd`: a run's codes widened to int16 pairs against the query's pair, in int32
+  __m256i a[N][2];  // tokens 0-7 and 8-15 of the run, a head
+  for (int g = 0; g < N; ++g) a[g][0] = a[g][1] = _mm256_setzero_si256();
+  const uint32_t* qw = (const uint32_t*)q;
+  for (int64_t p = 0; p < D / 2; ++p) {
+    __m256i k[2];
+    for (int j = 0; j < 2; ++j) k[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(run + p * stride + 16 * j)));
+    for (int g = 0; g < N; ++g) {
+      const __m256i x = _mm256_set1_epi32(int(qw[g * D / 2 + p]));
+      for (int j = 0; j < 2; ++j) a[g][j] = _mm256_add_epi32(a[g][j], _mm256_madd_epi16(k[j], x));
+    }
+  }
+  float k16[16];
+  std::memcpy(k16, &ks, sizeof k16);
+  for (int g = 0; g < N; ++g)
+    for (int j = 0; j < 2; ++j)
+      _mm256_storeu_ps(s + g * width + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(a[g][j]),
+                                                            _mm256_mul_ps(_mm256_loadu_ps(k16 + 8 * j),
+                                                                          _mm256_set1_ps(qs[g]))));
+#else
   i32x16 a[N][2] = {};
   const uint32_t* qw = (const uint32_t*)q;
   for (int64_t p = 0; p < D / 2; p += 2)
@@ -1382,6 +1402,7 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
       for (int g = 0; g < N; ++g) a[g][j] = pair_dot16(a[g][j], kv, qw[g * D / 2 + p + j]);
     }
   for (int g = 0; g < N; ++g) store16(s + g * width, __builtin_convertvector(a[g][0] + a[g][1], f32x16) * ks * qs[g]);
+#endif
 }
 
 // Where attention reads a token's key or value row of one kv head, as 16-float vectors (load32's order with
@@ -1390,7 +1411,7 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
 template <typename S>
 struct PoolRows {
   static constexpr bool kBf16 = std::is_same_v<S, bf16>;  // rows vdpbf16ps can read in place
-  static constexpr bool kBlocked = false, kFloatRows = !std::is_same_v<S, int8_t>;  // bf16 or float: no scales
+  static constexpr bool kBlocked = false, kWidens = true;  // widen(): AVX2's value pass
   const S* base;
   const float* scales;  // int8: [slots, Hkv]; else null
   int64_t Hkv, D;
@@ -1407,6 +1428,24 @@ struct PoolRows {
     if (scales)
       for (j = 0; j < V; ++j) r[j] *= scales[slot * Hkv + h];
   }
+#if defined(LEANLM_AVX2)
+  void widen(int64_t slot, int64_t h, float* out) const {  // the row as D floats (D a multiple of 8)
+    const S* p = row(slot, h);
+    if constexpr (std::is_same_v<S, float>) {
+      std::memcpy(out, p, D * sizeof(float));
+    } else if constexpr (std::is_same_v<S, bf16>) {
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + d)));
+        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+      }
+    } else {
+      const __m256 scale = _mm256_set1_ps(scales[slot * Hkv + h]);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                    _mm_loadl_epi64((const __m128i*)(p + d)))), scale));
+    }
+  }
+#endif
 };
 
 // The keys of a pool stored by block, [blocks, Hkv, D / 2, bs, 2] (cache.paged): a run of 16 tokens of one kv head
@@ -1464,7 +1503,7 @@ inline f32x16 nibbles16(const uint8_t* c) {  // 8 bytes of 4-bit codes (channel 
 // a block still filling read exact from `side` [entries * bs, Hkv, D] where entry_of[block] names one.
 template <typename T>
 struct Int4Rows {
-  static constexpr bool kBf16 = false, kBlocked = false, kFloatRows = false;
+  static constexpr bool kBf16 = false, kBlocked = false, kWidens = false;
   const uint8_t* codes;
   const uint16_t *scale, *low;
   const T *side, *sink;
@@ -1512,13 +1551,6 @@ inline void weigh_rows(const float* rows, int64_t count, const float* p, float* 
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + d0 + 8 * j, o[j]);
   }
 }
-inline void widen_row(const bf16* src, float* dst, int64_t D) {
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + d)));
-    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
-  }
-}
-inline void widen_row(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
 #endif
 
 // One work item: query heads h0 * G .. (h0 + heads) * G of sequence b against its tokens [t0, t1), leaving each
@@ -1637,7 +1669,7 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
     l[h0 * G + g] = sum16(total);
   }
 #if defined(LEANLM_AVX2)
-  if constexpr (VT > 0 && VT % 4 == 0 && Vs::kFloatRows) {
+  if constexpr (VT > 0 && VT % 4 == 0 && Vs::kWidens) {
     float* out = acc + h0 * G * D;  // [heads * G, D]: the weighted values in plain order
     float* rowf = (float*)rows;     // 16 tokens' rows of D floats
     std::fill(out, out + heads * G * D, 0.f);
@@ -1646,7 +1678,7 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
         if (h == 0) find_slots(c);
         const int64_t count = std::min<int64_t>(16, n - c);
         for (int64_t t = 0; t < next_count; ++t) values.prefetch(next_of[t], h0 + h);
-        for (int64_t t = 0; t < count; ++t) widen_row(values.row(slot_of[t], h0 + h), rowf + t * D, D);
+        for (int64_t t = 0; t < count; ++t) values.widen(slot_of[t], h0 + h, rowf + t * D);
         for (int64_t g = h * G; g < (h + 1) * G; ++g) weigh_rows<VT>(rowf, count, scores + g * width + c, out + g * D);
       }
     return;

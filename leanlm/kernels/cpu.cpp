@@ -1380,7 +1380,8 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
   const uint32_t* qw = (const uint32_t*)q;
   for (int64_t p = 0; p < D / 2; ++p) {
     __m256i k[2];
-    for (int j = 0; j < 2; ++j) k[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(run + p * stride + 16 * j)));
+    for (int j = 0; j < 2; ++j)
+      k[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(run + p * stride + 16 * j)));
     for (int g = 0; g < N; ++g) {
       const __m256i x = _mm256_set1_epi32(int(qw[g * D / 2 + p]));
       for (int j = 0; j < 2; ++j) a[g][j] = _mm256_add_epi32(a[g][j], _mm256_madd_epi16(k[j], x));

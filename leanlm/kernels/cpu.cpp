@@ -1135,8 +1135,9 @@ at::Tensor int4_q8_gemm(const at::Tensor& xq, const at::Tensor& xs, const at::Te
 // tokens (or kv heads, when too short) are split across threads; each part of the tokens keeps its own max, sum and
 // weighted values, merged by log-sum-exp at the end.
 // Rows are 16-float vectors (GCC vector extensions: AVX-512 here, pairs of AVX2 ops or plain code elsewhere). GCC
-// keeps such vectors in memory on AVX2, which left decode attention at 2 GB/s on Zen 3: there the keys by block
-// and the bf16 and float value rows go through 8-float intrinsics instead (3.4x).
+// keeps such vectors in memory on AVX2, which left decode attention at 2 GB/s on Zen 3: there the keys by block,
+// and rows of every pool (float, bf16, int8, int4) widened to floats, go through 8-float intrinsics instead (3.4x;
+// the int4 pool 3.8x: 6.8 -> 1.8 ms a layer at 32 x 384, benchmarks/kernels.py --sections a).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -1229,6 +1230,51 @@ inline float sum16(f32x16 v) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
+}
+
+#if defined(LEANLM_AVX2)
+inline __m256 exp8(__m256 x) {  // exp16 in an 8-float register (GCC lowers exp16 to 4-float halves through memory)
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(12582912.f));
+  const __m256 n = _mm256_sub_ps(t, _mm256_set1_ps(12582912.f));
+  const __m256 r =  // x - n ln 2, ln 2 in two parts
+      _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+  for (const float c : {8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i n_bits = _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127 - 0x4B400000));
+  const __m256i two_n = _mm256_slli_epi32(n_bits, 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+#endif
+
+// s [width] <- e^(s - m), m their max, returned with their sum; width a multiple of 16
+inline std::pair<float, float> softmax_numerators(float* s, int64_t width) {
+#if defined(LEANLM_AVX2)
+  __m256 top = _mm256_set1_ps(-INFINITY), total = _mm256_setzero_ps();
+  for (int64_t c = 0; c < width; c += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + c));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  const float m = *std::max_element(lanes, lanes + 8);
+  for (int64_t c = 0; c < width; c += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(s + c, e);
+    total = _mm256_add_ps(total, e);
+  }
+  _mm256_storeu_ps(lanes, total);
+  return {m, std::accumulate(lanes, lanes + 8, 0.f)};
+#else
+  const float m = max_of(s, width);
+  f32x16 total{};
+  for (int64_t c = 0; c < width; c += 16) {
+    const f32x16 e = exp16(load16(s + c) - m);
+    store16(s + c, e);
+    total += e;
+  }
+  return {m, sum16(total)};
+#endif
 }
 
 // Row conversions for the value pass: with AVX-512, 32 entries as two float vectors in the order its unpack of bf16
@@ -1412,7 +1458,7 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
 template <typename S>
 struct PoolRows {
   static constexpr bool kBf16 = std::is_same_v<S, bf16>;  // rows vdpbf16ps can read in place
-  static constexpr bool kBlocked = false, kWidens = true;  // widen(): AVX2's value pass
+  static constexpr bool kBlocked = false, kWidens = true;  // widen(): AVX2's key and value passes
   const S* base;
   const float* scales;  // int8: [slots, Hkv]; else null
   int64_t Hkv, D;
@@ -1477,6 +1523,11 @@ struct BlockedKeys {
   }
 };
 
+#if defined(__F16C__)
+constexpr bool kF16c = true;
+#else
+constexpr bool kF16c = false;
+#endif
 inline f32x16 half16(const uint16_t* p) {  // 16 float16 -> float32
 #if defined(LEANLM_AVX512)
   return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
@@ -1504,7 +1555,7 @@ inline f32x16 nibbles16(const uint8_t* c) {  // 8 bytes of 4-bit codes (channel 
 // a block still filling read exact from `side` [entries * bs, Hkv, D] where entry_of[block] names one.
 template <typename T>
 struct Int4Rows {
-  static constexpr bool kBf16 = false, kBlocked = false, kWidens = false;
+  static constexpr bool kBf16 = false, kBlocked = false, kWidens = kF16c;  // widen(): float16 scales by F16C
   const uint8_t* codes;
   const uint16_t *scale, *low;
   const T *side, *sink;
@@ -1512,14 +1563,15 @@ struct Int4Rows {
   int64_t Hkv, D, bs;
   bool per_block;
   void prefetch(int64_t slot, int64_t h) const { __builtin_prefetch(codes + (slot * Hkv + h) * D / 2); }
-  void load(int64_t slot, int64_t h, f32x16* r, int64_t V, bool pairs) const {
+  const T* exact(int64_t slot, int64_t h) const {  // the row read exact (a sink, an open block's key), or null
     const int64_t block = slot / bs, offset = slot % bs;
-    const T* exact = nullptr;
-    if (offset == 0 && sink_of[block] >= 0)
-      exact = sink + (sink_of[block] * Hkv + h) * D;
-    else if (entry_of && entry_of[block] >= 0)
-      exact = side + ((entry_of[block] * bs + offset) * Hkv + h) * D;
-    if (exact) return PoolRows<T>{exact, nullptr, 0, 0}.load(0, 0, r, V, pairs);
+    if (offset == 0 && sink_of[block] >= 0) return sink + (sink_of[block] * Hkv + h) * D;
+    if (entry_of && entry_of[block] >= 0) return side + ((entry_of[block] * bs + offset) * Hkv + h) * D;
+    return nullptr;
+  }
+  void load(int64_t slot, int64_t h, f32x16* r, int64_t V, bool pairs) const {
+    const int64_t block = slot / bs;
+    if (const T* row = exact(slot, h)) return PoolRows<T>{row, nullptr, 0, D}.load(0, 0, r, V, pairs);
     const uint8_t* c = codes + (slot * Hkv + h) * D / 2;
     for (int64_t j = 0; j < V; ++j) {
       if (per_block) {
@@ -1534,6 +1586,34 @@ struct Int4Rows {
     if (pairs)
       for (int64_t j = 0; j + 1 < V; j += 2) to_pairs(f32x16(r[j]), f32x16(r[j + 1]), r[j], r[j + 1]);
   }
+#if defined(LEANLM_AVX2) && defined(__F16C__)
+  void widen(int64_t slot, int64_t h, float* out) const {  // the row as D floats (D a multiple of 16)
+    if (const T* row = exact(slot, h)) return PoolRows<T>{row, nullptr, 0, D}.widen(0, 0, out);
+    const int64_t block = slot / bs;
+    const uint8_t* c = codes + (slot * Hkv + h) * D / 2;
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int64_t d = 0; d < D; d += 16) {  // 8 bytes of codes: channel d + 2i in byte i's low half, d + 2i + 1 high
+      const __m128i x = _mm_loadl_epi64((const __m128i*)(c + d / 2));
+      const __m128i u8 = _mm_unpacklo_epi8(_mm_and_si128(x, mask), _mm_and_si128(_mm_srli_epi16(x, 4), mask));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(u8, 8)));
+      __m256 s[2], z[2];
+      if (per_block) {
+        const int64_t at = (block * Hkv + h) * D + d;
+        for (int j = 0; j < 2; ++j) {
+          s[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scale + at + 8 * j)));
+          z[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(low + at + 8 * j)));
+        }
+      } else {
+        const int64_t at = (slot * Hkv + h) * D / 16 + d / 16;
+        s[0] = s[1] = _mm256_cvtph_ps(_mm_set1_epi16(short(scale[at])));
+        z[0] = z[1] = _mm256_cvtph_ps(_mm_set1_epi16(short(low[at])));
+      }
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(lo, s[0], z[0]));
+      _mm256_storeu_ps(out + d + 8, _mm256_fmadd_ps(hi, s[1], z[1]));
+    }
+  }
+#endif
 };
 
 #if defined(LEANLM_AVX2)
@@ -1550,6 +1630,28 @@ inline void weigh_rows(const float* rows, int64_t count, const float* p, float* 
       for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows + t * D + d0 + 8 * j), o[j]);
     }
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + d0 + 8 * j, o[j]);
+  }
+}
+
+inline __m256 sum8x8(const __m256* a) {  // lane t: the total of a[t]'s 8 lanes
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // tokens 0-3: halves
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// The rows' key pass in 8-float registers: s[t] = q . row t for 16 rows of D = 16 VT floats, 8 tokens' dot products
+// in flight, their 8 lanes summed by one transposing reduction (sum8x8)
+template <int VT>
+inline void row_scores(const float* q, const float* rows, float* s) {
+  constexpr int64_t D = 16 * VT;
+  for (int64_t t0 = 0; t0 < 16; t0 += 8) {
+    __m256 a[8];
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x = _mm256_loadu_ps(q + d);
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows + (t0 + t) * D + d), a[t]);
+    }
+    _mm256_storeu_ps(s + t0, sum8x8(a));
   }
 }
 #endif
@@ -1645,6 +1747,18 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
             continue;
           }
         }
+#if defined(LEANLM_AVX2)
+        if constexpr (VT > 0 && K::kWidens) {
+          const int64_t count = std::min<int64_t>(16, n - c);
+          float* rowf = (float*)rows;  // 16 tokens' rows of D floats
+          for (int64_t t = 0; t < next_count; ++t) keys.prefetch(next_of[t], h0 + h);
+          for (int64_t t = 0; t < count; ++t) keys.widen(slot_of[t], h0 + h, rowf + t * D);
+          std::fill(rowf + count * D, rowf + 16 * D, 0.f);
+          for (int64_t g = h * G; g < (h + 1) * G; ++g)
+            row_scores<VT>((const float*)(qv + g * V), rowf, scores + g * width + c);
+          continue;
+        }
+#endif
         read_rows(keys, c, h, false);
         for (int64_t g = h * G; g < (h + 1) * G; ++g) {
           f32x16 a[16];
@@ -1659,15 +1773,7 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
   for (int64_t g = 0; g < heads * G; ++g) {  // softmax numerators in place; l divides at the end
     float* s = scores + g * width;
     for (int64_t t = n; t < width; ++t) s[t] = -INFINITY;  // exp16 makes these 0
-    const float mg = max_of(s, width);
-    f32x16 total{};
-    for (int64_t c = 0; c < width; c += 16) {
-      const f32x16 e = exp16(load16(s + c) - mg);
-      store16(s + c, e);
-      total += e;
-    }
-    m[h0 * G + g] = mg;
-    l[h0 * G + g] = sum16(total);
+    std::tie(m[h0 * G + g], l[h0 * G + g]) = softmax_numerators(s, width);
   }
 #if defined(LEANLM_AVX2)
   if constexpr (VT > 0 && VT % 4 == 0 && Vs::kWidens) {

@@ -48,10 +48,11 @@ class EngineConfig:
     num_speculative: tokens proposed per step (prompt lookup or draft).
     draft: a model of the target's tokenizer that proposes them: a loaded Transformer (Engine takes only that), or
         a zoo name or path, which LLM and AsyncLLM load with the target's dtype and device.
-    pack_weights: on a CPU with AVX512-BF16, a bf16 model that LLM or AsyncLLM load by name or path (as `leanlm
-        serve` does) has its Linear layers (not a tied lm_head) swapped for models.layers.PackedLinear, the weights
-        repacked for leanlm's bf16 kernel (1.8x torch's GEMM at 32 rows). A model object given to them is left as
-        it is (models.layers.pack_linears packs one).
+    pack_weights: on a CPU with AVX512-BF16 or AVX2, a bf16 model that LLM or AsyncLLM load by name or path (as
+        `leanlm serve` does) has its Linear layers (and a tied lm_head with its embedding) swapped for
+        models.layers.PackedLinear, the weights repacked for leanlm's bf16 kernel (Zen 4: 1.8x torch's GEMM at 32
+        rows; Zen 3: 1.2x leanlm's bf16_gemm there, 1.3x at one row). A model object given to them is left as it is
+        (models.layers.pack_linears packs one).
     """
     kv_cache_memory: str | int | float = "1GiB"
     block_size: int = 16

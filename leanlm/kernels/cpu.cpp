@@ -712,12 +712,61 @@ struct PackedBf16 {
 };
 #endif
 
+#if defined(LEANLM_AVX2)
+// Without a bf16 dot product (AVX2): R rows of x, widened to float, by one tile of 16 columns; a 32-byte load is
+// 8 columns' pair of weights k, k + 1, split into two float vectors by a shift and a mask, each used R times against
+// x's k or k + 1 broadcast (8 accumulators at R = 4 of AVX2's 16 registers; no horizontal sums). The tile's bytes
+// are asked for 4 KiB ahead. A row's sums run in the same order at any R.
+template <int R, typename Out>
+void packed_tile(const float* x, int64_t K, const bf16* w, Out* y, int64_t N) {
+  __m256 acc[R][2];
+  for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  for (int64_t k = 0; k < K; k += 2) {
+    prefetch(w + k * 16);  // one cache line a pair of k
+    __m256 lo[2], hi[2];   // columns 0-7 and 8-15: weights k (lo) and k + 1 (hi)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + k * 16 + h * 16));
+      lo[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      hi[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
+    for (int m = 0; m < R; ++m) {
+      const __m256 a = _mm256_broadcast_ss(x + m * K + k), b = _mm256_broadcast_ss(x + m * K + k + 1);
+      for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(b, hi[h], _mm256_fmadd_ps(a, lo[h], acc[m][h]));
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    float f[16];
+    _mm256_storeu_ps(f, acc[m][0]);
+    _mm256_storeu_ps(f + 8, acc[m][1]);
+    for (int i = 0; i < 16; ++i) y[m * N + i] = Out(f[i]);
+  }
+}
+#endif
+
 // mb (<= kPackRows) rows of x [mb, K] against nb (<= kPackTiles) tiles of a packed weight (w: the first; tiles ws
 // elements apart, 16 K in a weight of K columns), into y's columns (float32, or rounded to bf16 once)
 template <typename Out>
 void packed_rows(const bf16* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N, int64_t mb, int64_t nb) {
 #if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
   kBlocks<PackedBf16<Out>>[mb - 1][nb - 1](x, K, w, ws, y, N);
+#elif defined(LEANLM_AVX2)
+  thread_local std::vector<float> xf;  // the rows widened once, for every tile
+  xf.resize(mb * K);
+  int64_t i = 0;
+  for (; i + 8 <= mb * K; i += 8) _mm256_storeu_ps(xf.data() + i, bf16x8(x + i));
+  for (; i < mb * K; ++i) xf[i] = float(x[i]);
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t m0 = 0; m0 < mb; m0 += 4) {
+      const float* xm = xf.data() + m0 * K;
+      Out* ym = y + m0 * N + 16 * j;
+      switch (std::min<int64_t>(4, mb - m0)) {
+        case 4: packed_tile<4>(xm, K, w + j * ws, ym, N); break;
+        case 3: packed_tile<3>(xm, K, w + j * ws, ym, N); break;
+        case 2: packed_tile<2>(xm, K, w + j * ws, ym, N); break;
+        default: packed_tile<1>(xm, K, w + j * ws, ym, N);
+      }
+    }
 #else
   for (int64_t m = 0; m < mb; ++m)
     for (int64_t n = 0; n < nb * 16; ++n) {

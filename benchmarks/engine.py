@@ -5,10 +5,11 @@ time to first token with prefix caching, and what deterministic mode costs.
                                 [--no-256] [--sections 12345] [--threads N] [--json FILE]
 
 Five markdown tables on stdout (after a header naming the CPU, its flags and the thread count); progress on
-stderr. All leanlm numbers come from one process and one loaded model. Peers run the same offline workload:
-transformers `generate` one request at a time (in this process) and vLLM's CPU build (its own environment, a
-subprocess): see benchmarks/engine_peers.py. Whole-model speeds move 20-45% between processes on these VMs:
-compare the ratios of one run.
+stderr. All leanlm numbers come from one process and one loaded model, its layers packed for leanlm's kernels where
+this CPU runs them (models.layers.pack_linears, as `LLM` and `leanlm serve` do with a model they load). Peers run
+the same offline workload: transformers `generate` one request at a time (in this process) and vLLM's CPU build (its
+own environment, a subprocess): see benchmarks/engine_peers.py. Whole-model speeds move 20-45% between processes on
+these VMs: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -442,6 +443,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from leanlm.models.loading import load
+    from leanlm.models.layers import pack_linears
     from leanlm.bench.probe import peaks
     from leanlm.models.zoo import resolve
     from leanlm.runtime import cpu_count, matmul_dtype, set_threads
@@ -449,6 +451,7 @@ def main() -> None:
     set_threads(args.threads or cpu_count())
     args.model_dir = resolve(args.model, progress=False)
     model, tok = load(args.model, progress=False)
+    pack_linears(model)  # what LLM(name) and `leanlm serve` run
     probe = peaks("cpu", torch.get_num_threads())
     dtype = str(matmul_dtype(model.dtype, model.device)).removeprefix("torch.")
     peak = argparse.Namespace(bandwidth_gbs=probe.bandwidth_gbs, gflops=probe.matmul_gflops[dtype], dtype=dtype)

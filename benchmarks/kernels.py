@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from leanlm import kernels
+from leanlm import kernels, runtime
 from leanlm.bench.probe import peaks
 from leanlm.cache.int4 import Int4KVPool
 from leanlm.cache.paged import put
@@ -358,17 +358,22 @@ def bf16_rows(ops, args) -> None:
     """bf16 products of a whole decoder layer (qkv, o, gate_up and down_proj) at 1-256 rows, the layers' weights
     rotating through ~256 MB of copies: torch's GEMM, bf16_gemm (plain [N, K] weights) and bf16_packed_gemm (the
     same weights packed by kernels.pack_bf16)."""
-    peak = peaks("cpu", args.threads).matmul_gflops["bfloat16"]
+    dtype = "bfloat16" if runtime.CPU_BF16_GEMM else "float32"  # the GEMM a bf16 Linear runs here
+    peak = peaks("cpu", args.threads).matmul_gflops[dtype]
     table = Table(title=f"bf16 products of a decoder layer from memory, {args.threads} threads, {ops.bf16_isa()} "
-                        f"loops: microseconds (GFLOP/s, share of the {peak:.0f} GFLOP/s the probe's large bf16 "
+                        f"loops: microseconds (GFLOP/s, share of the {peak:.0f} GFLOP/s the probe's large {dtype} "
                         "GEMM reaches)")
-    for col in ("rows", "torch (F.linear)", "leanlm bf16_gemm", "leanlm bf16_packed_gemm"):
+    for col in ("rows", "torch (F.linear)" if runtime.CPU_BF16_GEMM else "torch, float32 (no bf16 GEMM here)",
+                "leanlm bf16_gemm", "leanlm bf16_packed_gemm"):
         table.add_column(col, justify="right")
     shapes = [SHAPES[name] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
     layers = int(256e6 // (2 * sum(n * k for n, k in shapes)))
     plain = [[torch.randn(shape, dtype=torch.bfloat16) for shape in shapes] for _ in range(layers)]
     packed = [[kernels.pack_bf16(w) for w in layer] for layer in plain]
-    products = [torch.nn.functional.linear, ops.bf16_gemm, ops.bf16_packed_gemm]
+    def upcast(x, w):  # what a bf16 Linear runs where torch's bf16 GEMM is slow (models.layers.Linear)
+        return torch.nn.functional.linear(x.float(), w.float()).bfloat16()
+
+    products = [torch.nn.functional.linear if runtime.CPU_BF16_GEMM else upcast, ops.bf16_gemm, ops.bf16_packed_gemm]
     for rows in (1, 2, 4, 8, 16, 32, 64, 256):
         xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes]
         flops = 2 * rows * sum(n * k for n, k in shapes)

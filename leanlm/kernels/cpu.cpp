@@ -1193,6 +1193,8 @@ at::Tensor int4_q8_gemm(const at::Tensor& xq, const at::Tensor& xs, const at::Te
 // the int4 pool 3.8x: 6.8 -> 1.8 ms a layer at 32 x 384, benchmarks/kernels.py --sections a).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int64_t kMaxVectors = 256;  // H * D / 16: query heads times a row's 16-float vectors
@@ -1251,22 +1253,23 @@ inline f32x16 sum16x16(const f32x16* a) {
 }
 
 // e^x for x <= 0 (scores less their max) within ~2 ulp, 0 below -87 (under float's normal range): x = n ln 2 + r,
-// e^r by Cephes expf's polynomial on |r| <= ln 2 / 2, 2^n written into the exponent bits.
-inline f32x16 exp16(f32x16 x) {
-  const i32x16 under = x < -87.f;
-  x = under ? splat(-87.f) : x;
-  const f32x16 t = x * 1.44269504f + 12582912.f;  // adding 1.5 * 2^23 rounds x / ln 2 to the integer n in t's bits
-  const f32x16 n = t - 12582912.f;
-  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 in two parts, so r keeps its low bits
-  f32x16 p = splat(1.9875691500e-4f) * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+// e^r by Cephes expf's polynomial on |r| <= ln 2 / 2, 2^n written into the exponent bits. F: a vector of floats, I:
+// of as many int32 (16 lanes; 8, AVX2's register, where GCC keeps 16-float vectors in memory).
+template <typename F, typename I>
+inline F exp_lanes(F x) {
+  const I under = x < -87.f;
+  x = under ? F{} - 87.f : x;
+  const F t = x * 1.44269504f + 12582912.f;  // adding 1.5 * 2^23 rounds x / ln 2 to the integer n in t's bits
+  const F n = t - 12582912.f;
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 in two parts, so r keeps its low bits
+  F p = F{} + 1.9875691500e-4f;
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = p * r + c;
   p = p * r * r + r + 1.f;
-  const i32x16 two_n = ((i32x16)t - 0x4B400000 + 127) << 23;
-  return under ? f32x16{} : p * (f32x16)two_n;
+  const I two_n = ((I)t - 0x4B400000 + 127) << 23;
+  return under ? F{} : p * (F)two_n;
 }
+inline f32x16 exp16(f32x16 x) { return exp_lanes<f32x16, i32x16>(x); }
 
 inline float max_of(const float* s, int64_t width) {  // width a multiple of 16
   f32x16 top = splat(-INFINITY);
@@ -1285,24 +1288,6 @@ inline float sum16(f32x16 v) {
   return s;
 }
 
-#if defined(LEANLM_AVX2)
-inline __m256 exp8(__m256 x) {  // exp16 in an 8-float register (GCC lowers exp16 to 4-float halves through memory)
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(12582912.f));
-  const __m256 n = _mm256_sub_ps(t, _mm256_set1_ps(12582912.f));
-  const __m256 r =  // x - n ln 2, ln 2 in two parts
-      _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
-  for (const float c : {8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i n_bits = _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127 - 0x4B400000));
-  const __m256i two_n = _mm256_slli_epi32(n_bits, 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
-}
-#endif
-
 // s [width] <- e^(s - m), m their max, returned with their sum; width a multiple of 16
 inline std::pair<float, float> softmax_numerators(float* s, int64_t width) {
 #if defined(LEANLM_AVX2)
@@ -1312,7 +1297,7 @@ inline std::pair<float, float> softmax_numerators(float* s, int64_t width) {
   _mm256_storeu_ps(lanes, top);
   const float m = *std::max_element(lanes, lanes + 8);
   for (int64_t c = 0; c < width; c += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(m)));
+    const __m256 e = exp_lanes<f32x8, i32x8>(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(m)));
     _mm256_storeu_ps(s + c, e);
     total = _mm256_add_ps(total, e);
   }

@@ -42,7 +42,7 @@ def keys_by_block(dtype: torch.dtype, device, block_size: int, int8: bool = Fals
     ops = kernels.ops()
     if ops is None:
         return False
-    return ops.isa() in ("avx512", "avx2") if int8 else ops.bf16_isa() == "avx512bf16" or ops.isa() == "avx2"
+    return ops.isa() in ("avx512", "avx2") if int8 else kernels.packed_bf16()
 
 
 def put(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:

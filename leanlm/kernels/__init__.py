@@ -126,6 +126,16 @@ def ops():
     return build()
 
 
+def packed_bf16() -> bool:
+    """Whether this CPU's build runs the products on packed bf16 tiles (bf16_packed_gemm, and the widened int4 tiles
+    and prefill attention built on them) in vector registers: `vdpbf16ps` with AVX512-BF16, FMAs on each pair's
+    halves with AVX2; elsewhere they are plain loops."""
+    if "packed_bf16" not in _loaded:  # a plain dict, as bf16_rows: read while torch.compile traces
+        ns = ops()
+        _loaded["packed_bf16"] = ns is not None and (ns.bf16_isa() == "avx512bf16" or ns.isa() == "avx2")
+    return _loaded["packed_bf16"]
+
+
 def pack_pairs(w: torch.Tensor) -> torch.Tensor:
     """bf16_packed_gemm's and w8a16_packed_gemm's layout: a pair of weights k, k + 1 of 16 columns side by side, one
     load (64 bytes of bf16, 32 of int8 codes).  w [N, K] (N % 16 == K % 2 == 0) -> [N/16, K/2, 16, 2], w's dtype"""

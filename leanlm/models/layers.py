@@ -102,7 +102,7 @@ def pack_linears(model: nn.Module) -> int:
     ops = kernels.ops()
     if ops is None:
         return 0
-    bf16, int8 = ops.bf16_isa() == "avx512bf16" or ops.isa() == "avx2", ops.isa() == "avx512"
+    bf16, int8 = kernels.packed_bf16(), ops.isa() == "avx512"
     tied = {id(m.weight): (parent, name) for parent in model.modules() for name, m in parent.named_children()
             if type(m) is nn.Embedding}
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}

@@ -12,8 +12,7 @@ from leanlm.models.layers import Linear, PackedEmbedding, PackedLinear, pack_lin
 from leanlm.models.loading import load_model
 from leanlm.pipeline import make_config
 
-needs_packed = pytest.mark.skipif(kernels.ops() is None or (kernels.ops().bf16_isa() != "avx512bf16" and
-                                                             kernels.ops().isa() != "avx2"),
+needs_packed = pytest.mark.skipif(not kernels.packed_bf16(),
                                   reason="bf16_packed_gemm's vector loops need AVX512-BF16 or AVX2")
 needs_vnni = pytest.mark.skipif(kernels.ops() is None or kernels.ops().isa() != "avx512",
                                 reason="int8_packed_gemm's vector loops need AVX-512 VNNI")

@@ -33,8 +33,9 @@ def paged_kernel(pool: KVPool):
 
 def prefill_kernel(pool: KVPool):
     """leanlm's kernel ops if their prompt attention runs on this pool: a bf16 model's, its entries bf16 or int8
-    codes, and native bf16 dot products (elsewhere its portable loops are slower than torch's flash kernel), else
-    None."""
+    codes, and native bf16 dot products, else None. Elsewhere torch's flash kernel on gathered keys is faster: with
+    plain loops by over 15x; with AVX2's packed tiles level at 256 tokens of context and 0.6-0.7x at 1024-2048 (Zen 3,
+    benchmarks/kernels.py --sections c)."""
     ops = paged_kernel(pool)
     entries = pool.k[0].dtype in (torch.bfloat16, torch.int8)
     return ops if ops is not None and pool.dtype == torch.bfloat16 and entries and ops.bf16_isa() == "avx512bf16" \

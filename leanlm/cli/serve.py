@@ -53,8 +53,9 @@ def serve(
                                                       "wasted work")] = None,
     num_speculative: Annotated[int, typer.Option(help="tokens proposed per step (prompt lookup or --draft)")] = 4,
     deterministic: Annotated[bool, typer.Option(help="outputs independent of batching, chunking, speculation")] = False,
-    pack_weights: Annotated[bool, typer.Option(help="on AVX512-BF16 CPUs, the bf16 model's Linear weights repacked for "
-                                               "leanlm's bf16 kernel (1.8x torch's GEMM at 32 rows)")] = True,
+    pack_weights: Annotated[bool, typer.Option(help="on AVX512-BF16 and AVX2 CPUs, the bf16 model's Linear "
+                                               "weights repacked for leanlm's bf16 kernel (Zen 4: 1.8x torch's GEMM at "
+                                               "32 rows)")] = True,
     compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs, every "
                                           "batch-size bucket up to --max-num-seqs built before the server answers "
                                           "(10-35 s each on 2 cores)")] = False,

@@ -127,9 +127,9 @@ def ops():
 
 
 def packed_bf16() -> bool:
-    """Whether this CPU's build runs the products on packed bf16 tiles (bf16_packed_gemm, and the widened int4 tiles
-    and prefill attention built on them) in vector registers: `vdpbf16ps` with AVX512-BF16, FMAs on each pair's
-    halves with AVX2; elsewhere they are plain loops."""
+    """Whether this CPU's build runs bf16_packed_gemm's tiles in vector registers: `vdpbf16ps` with AVX512-BF16,
+    FMAs on each pair's halves with AVX2; elsewhere they are plain loops. Where they run, pack_linears packs bf16
+    Linears and a bf16 pool keeps its keys by block."""
     if "packed_bf16" not in _loaded:  # a plain dict, as bf16_rows: read while torch.compile traces
         ns = ops()
         _loaded["packed_bf16"] = ns is not None and (ns.bf16_isa() == "avx512bf16" or ns.isa() == "avx2")

@@ -196,6 +196,7 @@ def quantized(name: str, path: Path, compile: bool, schemes: list[str]) -> Itera
                 values.append(bench(model, name, 128, 32, batch=batch, compiled=compiled).tokens_per_s)
             except Exception as e:  # noqa: BLE001 - a scheme that fails on this GPU is a finding, not a crash
                 values.append(f"error: {type(e).__name__}: {str(e)[:80]}")
+            log(f"{name}, {scheme}, batch {batch}, {'compiled' if compiled else 'eager'}: {values[-1]}")
         yield values
         del model
         empty_cache()
@@ -204,11 +205,11 @@ def quantized(name: str, path: Path, compile: bool, schemes: list[str]) -> Itera
 SERVE_LEVELS = (1, 8, 32, 64)
 
 
-def served(name: str, path: Path, modes: tuple[str, ...] = ("--eager", "--compile")) -> Iterator[list]:
-    """`leanlm serve` started cold on a loopback port, eager and --compile; one `leanlm bench serve` run per
-    concurrency against it (2 x concurrency requests, at least 8, no warm-up request)."""
+def served(name: str, path: Path, modes: list[str], serve_args: list[str]) -> Iterator[list]:
+    """`leanlm serve` started cold on a loopback port, once per mode (--eager, --compile) with serve_args; one
+    `leanlm bench serve` run per concurrency against it (2 x concurrency requests, at least 8, no warm-up request)."""
     for mode in modes:
-        label, extra = f"leanlm serve {mode}", [mode]
+        label, extra = " ".join(["leanlm serve", mode, *serve_args]), [mode, *serve_args]
         log(f"{name}: {label}")
         start = time.perf_counter()
         with LocalServer.leanlm(str(path), name, ["--device", CUDA.type, *extra]) as server:
@@ -271,6 +272,9 @@ def main() -> None:
     ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"section q's schemes, of {', '.join(SCHEMES)}")
     ap.add_argument("--latency-runs", default="eager,graph,nograph,transformers",
                     help="section l's rows, of eager, graph, nograph (compiled), transformers")
+    ap.add_argument("--serve-modes", default="--eager,--compile", help="section s's servers, of --eager, --compile")
+    ap.add_argument("--serve-args", default="", help="more `leanlm serve` options for section s, e.g. "
+                    "\"--max-num-seqs 32\" (fewer compiled buckets)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global CUDA
@@ -298,7 +302,8 @@ def main() -> None:
                  ["model", "scheme", "eager batch 1", "eager batch 32", "compiled batch 1"],
                  lambda n, p: quantized(n, p, not args.no_compile, args.schemes.split(","))),
                 ("s", "Served on the GPU: `leanlm bench serve` (256 in / 128 out, cold server), output tokens/s",
-                 ["model", "server", *(f"{c} concurrent" for c in SERVE_LEVELS)], served)]
+                 ["model", "server", *(f"{c} concurrent" for c in SERVE_LEVELS)],
+                 lambda n, p: served(n, p, args.serve_modes.split(","), args.serve_args.split()))]
     for key, title, columns, fn in sections:
         if key in args.sections:
             header(title, columns)

@@ -56,7 +56,7 @@ def serve(
     pack_weights: Annotated[bool, typer.Option(help="on AVX512-BF16 and AVX2 CPUs, the bf16 model's Linear "
                                                "weights repacked for leanlm's bf16 kernel (Zen 4: 1.8x torch's GEMM at "
                                                "32 rows)")] = True,
-    compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs, every "
+    compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs (CPU), every "
                                           "batch-size bucket up to --max-num-seqs built before the server answers "
                                           "(10-35 s each on 2 cores)")] = False,
     prompt_scorer: Annotated[str, typer.Option(help="the small model that compresses the prompts of requests that ask "

@@ -69,7 +69,9 @@ class Engine:
         if self.config.deterministic or not CompiledPagedDecoder.supports(self.pool):
             why = "deterministic mode feeds fixed tiles" if self.config.deterministic else (
                 f"the {self.config.kv_cache} KV cache is quantized outside the graph" if self.config.kv_cache != "auto" else
-                "the paged-attention kernel is unavailable (a CPU float32/bfloat16 model and a C++ compiler)")
+                "the engine's compiled steps run on a CPU only (their paged attention is a CPU kernel)"
+                if self.pool.k[0].device.type != "cpu" else
+                "the paged-attention kernel is unavailable (a float32/bfloat16 model and a C++ compiler)")
             print(f"leanlm: warning: compile is off, steps run eager: {why}", file=sys.stderr)
             return None
         return CompiledPagedDecoder(self.model, self.pool, self.scheduler.scratch)

@@ -29,7 +29,7 @@ import leanlm.engine.engine as engine_module
 from leanlm.analysis.memory import kv_bytes_per_token, param_count, weight_bytes_read
 from leanlm.cache.paged import KVPool, cdiv
 from leanlm.engine import LLM, Engine, EngineConfig
-from leanlm.engine.compiled import BUCKETS
+from leanlm.engine.compiled import row_ranges
 from leanlm.engine.config import OFFLINE_BATCHED_TOKENS
 from leanlm.generation.sampling import SamplingParams
 
@@ -145,15 +145,15 @@ def print_kv_waste(r: dict) -> None:
 
 # 2. Offline throughput ------------------------------------------------------------------------------------------
 
-def compile_warmup(llm: LLM, n: int) -> dict[int, float]:
-    """Compile the decode graph of every bucket up to n sequences (seconds each): a batch of that many 4-token
-    prompts (one prefill step) and one decode-only step."""
+def compile_warmup(llm: LLM, n: int) -> dict[str, float]:
+    """Compile every decode graph a batch of up to n sequences runs (seconds each, by the batch sizes it covers): a
+    batch of its first size's 4-token prompts (one prefill step) and one decode-only step."""
     seconds = {}
-    for bucket in (b for b in BUCKETS if b <= n):
+    for lo, hi in row_ranges(n):
         start = time.perf_counter()
-        llm.generate([[100 + i] * 4 for i in range(bucket)], greedy(2), progress=False)
-        seconds[bucket] = time.perf_counter() - start
-        log(f"  bucket {bucket}: {seconds[bucket]:.0f} s")
+        llm.generate([[100 + i] * 4 for i in range(lo)], greedy(2), progress=False)
+        seconds[f"{lo}-{hi}"] = time.perf_counter() - start
+        log(f"  batch sizes {lo}-{hi}: {seconds[f'{lo}-{hi}']:.0f} s")
     return seconds
 
 
@@ -175,7 +175,7 @@ def offline(model, tok, args, engines: dict) -> dict:
     for kind, llm in engines.items():
         llm.generate([random_ids(rng, 16, vocab)], greedy(4), progress=False)  # warm-up: thread pool, kernels
         if kind == "compiled":
-            log(f"compiling decode buckets up to {n} sequences ...")
+            log(f"compiling the decode graphs up to {n} sequences ...")
             r["compile_s"] = compile_warmup(llm, n)
         log(f"throughput, leanlm {kind}: {n} prompts ...")
         r["rows"][f"leanlm LLM.generate, {kind}"] = throughput(llm, prompts, out_len)
@@ -212,7 +212,7 @@ def print_offline(r: dict) -> None:
         print(f"| {name}{setup} | {v['output_tok_s']:.1f} | {v['elapsed_s']:.1f} | {v.get('preemptions', '-')} "
               f"| {ratios} |")
     compiled = "" if "compile_s" not in r else (
-        f" Compiled warm-up, untimed: {sum(r['compile_s'].values()):.0f} s for {len(r['compile_s'])} decode buckets.")
+        f" Compiled warm-up, untimed: {sum(r['compile_s'].values()):.0f} s for {len(r['compile_s'])} decode graphs.")
     print(f"\nTargets: leanlm / transformers >= 10x, leanlm / vLLM >= 2x.{compiled} (vLLM's throughput mode samples at "
           "temperature 1; leanlm and transformers decode greedily.)")
     print(f"\nPrompt-chunk budget (eager engine, KV pool 1 GiB), the first {r['sweep_prompts']} of those prompts:\n")

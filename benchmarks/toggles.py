@@ -1,4 +1,4 @@
-"""What one of leanlm's CPU paths buys a bf16 model (eager unless said): `LLM.generate` of random prompts (256 in /
+"""What one of leanlm's CPU paths buys a bf16 model (eager): `LLM.generate` of random prompts (256 in /
 128 out, greedy, ignore_eos) with the path on and off, alternating in one process, fresh prompts every run (no
 prefix-cache hits), output tokens/s. The paths:
 
@@ -9,12 +9,8 @@ prefix-cache hits), output tokens/s. The paths:
 - `int8-keys-by-block`: an int8 KV pool (`kv_cache="int8"`, 1 GiB) keeping its keys by block
   (`cache.paged.keys_by_block`; off: by slot). The layout is chosen when a pool is made, so each side has its own
   engine, both loaded before the first run;
-- `compiled-padding` (a compiled model, `compile=True`, up to 32 sequences): decode steps run eager where their
-  bucket's graph was measured slower than padding is worth (`engine.compiled.fewest_compiled`; off: every decode
-  step padded to its bucket's graph); all buckets compiled and measured before the first run. It acts only on
-  batches between two buckets: try `--prompts 24,12`.
 
-    python benchmarks/toggles.py [--path fused-ops|prefill-attention|int8-keys-by-block|compiled-padding]
+    python benchmarks/toggles.py [--path fused-ops|prefill-attention|int8-keys-by-block]
                                  [--model smollm2-135m] [--prompts 1,32] [--rounds 2]
 """
 
@@ -38,18 +34,6 @@ PATHS = {"fused-ops": (layers, "fused_ops"), "prefill-attention": (paged_attenti
 
 def engines(path: str, model: str):
     """A function from on/off to the LLM to run, turning the path on or off; and one that restores it."""
-    if path == "compiled-padding":
-        llm = LLM(model, dtype="bfloat16", quiet=True, compile=True, max_num_seqs=32)
-        llm.engine.build_graphs()  # every bucket compiled and measured before the first run, as a server does
-        compiled = llm.engine.runner.compiled
-        measured, padded = compiled.fewest, {size: 1 for size in compiled.fewest}
-        print(f"fewest sequences each bucket's graph runs (measured at start-up): {measured}\n")
-
-        def pad(on: bool) -> LLM:
-            compiled.fewest = measured if on else padded
-            return llm
-
-        return pad, lambda: None
     module, name = PATHS[path]
     on_fn = getattr(module, name)
 
@@ -74,7 +58,7 @@ def engines(path: str, model: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--path", choices=[*sorted(PATHS), "compiled-padding"], default="fused-ops")
+    ap.add_argument("--path", choices=sorted(PATHS), default="fused-ops")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompts", default="1,32", help="prompts a run, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
@@ -92,8 +76,7 @@ def main() -> None:
 
     for on in (True, False):  # the first run's one-time costs (kernel switches, allocator) in no row
         tokens_per_s(on, 2)
-    kind = "compiled" if args.path == "compiled-padding" else "eager"
-    print(f"{args.model}, {kind} bf16, 256 in / 128 out, {device_name()}, {args.path}: output tok/s\n")
+    print(f"{args.model}, eager bf16, 256 in / 128 out, {device_name()}, {args.path}: output tok/s\n")
     print("| prompts | round | on | off | ratio |\n|---:|---:|---:|---:|---:|")
     try:
         for n in map(int, args.prompts.split(",")):

@@ -42,7 +42,7 @@ class EngineConfig:
     kv_cache: "auto" (keys and values in the model's dtype), "int8" (a scale per token and head: about twice the
         tokens in the same memory) or "int4" (cache.int4, KIVI: keys per channel, values per token; about 2.7x the
         bfloat16 tokens; each sequence's filling block's keys and first token exact, for max_num_seqs sequences).
-    compile: decode-only steps as compiled graphs (fastest at few sequences; each batch bucket compiles once).
+    compile: decode-only steps as compiled graphs (a symbolic batch size: a few graphs, each compiled once).
     deterministic: a request's output independent of its batch, chunking and speculation.
     prompt_lookup: speculate with n-grams of the context up to this size (0: off).
     num_speculative: tokens proposed per step (prompt lookup or draft).

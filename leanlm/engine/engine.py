@@ -77,8 +77,8 @@ class Engine:
         return CompiledPagedDecoder(self.model, self.pool, self.scheduler.scratch)
 
     def build_graphs(self, log=lambda text: None) -> None:
-        """With compiled steps, compile every batch bucket's graph now (up to max_num_seqs), not on first use: a
-        server calls it before it answers /health, as vLLM compiles and captures before it reports ready."""
+        """With compiled steps, compile every graph of up to max_num_seqs sequences now, not on first use: a server
+        calls it before it answers /health, as vLLM compiles and captures before it reports ready."""
         if self.runner.compiled is not None:
             self.runner.compiled.build(self.config.max_num_seqs, log)
 

@@ -57,8 +57,8 @@ class LLM:
     config when both are given: kv_cache_memory ("1GiB", bytes, or a fraction of free memory such as 0.2),
     block_size, max_num_seqs, max_num_batched_tokens (without a config, engine.config.OFFLINE_BATCHED_TOKENS; a
     server keeps EngineConfig's smaller budget for its decoding requests' TPOT), prefix_caching, kv_cache ("auto":
-    the model's dtype, or "int8"), compile (decode steps as compiled graphs: fastest at few sequences, each batch
-    bucket compiles once), deterministic (a request's output independent of its batch, chunking and speculation),
+    the model's dtype, or "int8"), compile (decode steps as compiled graphs of a symbolic batch size: a few graphs,
+    each compiled once), deterministic (a request's output independent of its batch, chunking and speculation),
     prompt_lookup (n-gram size, 0 = off), num_speculative (tokens proposed per step) and draft (a model of the same
     tokenizer, or its name or path, that proposes them)."""
 

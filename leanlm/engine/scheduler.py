@@ -39,8 +39,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int):
-        """num_blocks: the pool's. Its last block belongs to no sequence: padded rows (compiled and deterministic
-        steps) write there (`scratch`)."""
+        """num_blocks: the pool's. Its last block belongs to no sequence: padded rows (deterministic steps) and the
+        steps that build compiled graphs write there (`scratch`)."""
         self.scratch = num_blocks - 1
         self.blocks = BlockManager(self.scratch, config.block_size, config.prefix_caching)
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens

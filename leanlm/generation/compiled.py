@@ -98,7 +98,8 @@ class StepCompiler:
             from torch._inductor import compile as inductor_compile  # heavy (~1.5 s): only a compile needs it
 
             compiled = inductor_compile(gm, example_inputs, options)
-            self._captured = compiled, list(example_inputs)
+            sources = [getattr(n.meta.get("grapharg"), "source", None) for n in gm.graph.find_nodes(op="placeholder")]
+            self._captured = compiled, list(example_inputs), sources
             return compiled
 
         # Dynamo keeps its graphs per code object: a copy of the step's code per key compiles (and captures) each
@@ -107,12 +108,18 @@ class StepCompiler:
         step = types.FunctionType(self.step.__code__.replace(), self.step.__globals__, self.step.__name__)
         return torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
 
-    def __call__(self, key: tuple, inputs: dict) -> torch.Tensor:
-        """inputs: fn's parameters by name (Dynamo takes them as keywords, a plan fills its input list from them)."""
+    def __call__(self, key: tuple, inputs: dict, batch: tuple[int, int] | None = None) -> torch.Tensor:
+        """inputs: fn's parameters by name (Dynamo takes them as keywords, a plan fills its input list from them).
+        batch (first, last): the key's graph takes any batch size in that range, the first dimension of every
+        tensor input (not those in lists) symbolic; None: every shape as this call's."""
         if key in self._plans:
             plan = self._plans[key]
             return plan.run(inputs) if plan is not None else self._compiled[key](self.model, **inputs)
         self._captured = None
+        if batch is not None:
+            for value in inputs.values():
+                if isinstance(value, torch.Tensor):
+                    torch._dynamo.mark_dynamic(value, 0, min=batch[0], max=batch[1])
         self._compiled[key] = self._compile()
         out = self._compiled[key](self.model, **inputs)
         captured, self._captured = self._captured, None  # the graph's example inputs hold this call's tensors
@@ -146,21 +153,30 @@ class CompiledDecoder:
 
 
 class _Plan:
-    """A compiled graph and where each of its inputs comes from: a fixed tensor of the model, or one of the
-    step's inputs (a tensor, or element j of a list such as the cache's k)."""
+    """A compiled graph and where each of its inputs comes from: a fixed tensor of the model, one of the step's
+    inputs (a tensor, or element j of a list such as the cache's k), or a symbolic size (dimension d of a tensor
+    input)."""
 
-    def __init__(self, fn, template: list, slots: list[tuple[int, str, int | None]]):
+    def __init__(self, fn, template: list, slots: list[tuple[int, str, int | None, int | None]]):
         self.fn, self.template, self.slots = fn, template, slots
 
     @staticmethod
-    def make(fn, example_inputs: list, inputs: dict, model: torch.nn.Module) -> _Plan | None:
-        """None where an input is neither a step input nor a parameter or buffer of the model (Dynamo stays)."""
+    def make(fn, example_inputs: list, sources: list, inputs: dict, model: torch.nn.Module) -> _Plan | None:
+        """None where an input is neither a step input, a size of one, nor a parameter or buffer of the model
+        (Dynamo stays). sources: Dynamo's source of each graph input (where a symbolic size was read)."""
+        from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+
         where = {}
         for name, value in inputs.items():
             if isinstance(value, torch.Tensor):
-                where[id(value)] = name, None
+                where[id(value)] = name, None, None
             elif isinstance(value, (list, tuple)):  # other values (ints) are constants of the graph
-                where.update((id(t), (name, j)) for j, t in enumerate(value))
+                where.update((id(t), (name, j, None)) for j, t in enumerate(value))
+        for x, source in zip(example_inputs, sources):
+            if isinstance(x, torch.SymInt) and isinstance(source, TensorPropertySource) \
+                    and source.prop == TensorProperty.SIZE and isinstance(source.base, LocalSource) \
+                    and isinstance(inputs.get(source.base.local_name), torch.Tensor):
+                where[id(x)] = source.base.local_name, None, source.idx
         fixed = {id(t) for t in (*model.parameters(), *model.buffers())}
         if not all(id(x) in where or id(x) in fixed for x in example_inputs):
             return None
@@ -170,8 +186,8 @@ class _Plan:
 
     def run(self, inputs: dict) -> torch.Tensor:
         args = self.template.copy()
-        for n, name, j in self.slots:
-            args[n] = inputs[name] if j is None else inputs[name][j]
+        for n, name, j, dim in self.slots:
+            args[n] = inputs[name].shape[dim] if dim is not None else inputs[name] if j is None else inputs[name][j]
         (logits,) = self.fn(*args)
         return logits
 

@@ -8,7 +8,6 @@ import torch
 
 from leanlm.cache.paged import KVPool
 from leanlm.engine import LLM, Engine, EngineConfig
-from leanlm.engine.compiled import fewest_compiled
 from leanlm.engine.config import engine_config
 from leanlm.errors import LeanLMError
 from leanlm.generation.decode import generate_ids
@@ -214,46 +213,39 @@ def test_async_streams_equal_one_by_one_and_abort_frees_blocks(tiny):
         llm.shutdown()
 
 
-def test_compiled_decode_steps_equal_one_by_one(tiny):
-    """Decode-only steps run as compiled graphs (batch padded to a bucket, padded rows writing a scratch block)."""
+def test_compiled_decode_steps_equal_one_by_one(tiny, monkeypatch):
+    """Decode-only steps run as compiled graphs whose batch size is symbolic: every step runs exactly its sequences'
+    rows (no padding), one graph for a single sequence and one for each range of batch sizes."""
     model, tok = tiny
     engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, compile=True))
-    assert engine.runner.compiled is not None
-    assert_greedy_lengths_equal_one_by_one(engine, model, prompts(5, seed=4), (3, 9, 9, 12, 12))
     compiled = engine.runner.compiled
-    assert len(compiled.compiler._plans) >= 2  # buckets 8 -> 4 -> 2 as sequences finish
-    assert set(compiled.fewest) == {key[0] for key in compiled.compiler._plans}  # each measured when first used
+    assert compiled is not None
+    compiler, steps = compiled.compiler, []
 
+    def record(key, inputs, batch=None):
+        steps.append((len(inputs["tokens"]), key[0]))
+        return compiler(key, inputs, batch)
 
-def test_compiled_buckets_run_only_the_batches_they_were_measured_faster_for(tiny, monkeypatch):
-    """After build, a bucket's graph takes a batch only from its measured fewest sequences up; smaller batches of
-    that bucket run eager steps (no padding), and the tokens are the same either way."""
-    model, tok = tiny
-    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, compile=True, max_num_seqs=5))
-    compiled = engine.runner.compiled
-    engine.build_graphs()
-    assert sorted(compiled.fewest) == [1, 2, 4, 8]
-    assert all(size // 2 + 1 <= n <= size + 1 for size, n in compiled.fewest.items() if size > 1)
-    compiled.fewest = {1: 1, 2: 3, 4: 4, 8: 7}  # bucket 2 never, 3 of 4 eager, 5 and 6 of 8 eager
-    assert [compiled.takes(n) for n in range(1, 9)] == [True, False, False, True, False, False, True, True]
-    sizes = []
-    run = compiled.run
-    monkeypatch.setattr(compiled, "run", lambda tables, *rest: sizes.append(len(tables)) or run(tables, *rest))
+    monkeypatch.setattr(compiled, "compiler", record)
     assert_greedy_lengths_equal_one_by_one(engine, model, prompts(5, seed=4), (3, 9, 9, 12, 12))
-    assert sizes and set(sizes) <= {1, 4, 7, 8}
+    assert {n for n, _ in steps} == {5, 4, 2}  # 5 sequences, 4 once the first finished, then 2
+    assert all(lo <= n <= hi for n, (lo, hi) in steps)
+    assert {key[0] for key in compiler._plans} == {compiled.ranges[1]}  # one graph ran them all
+    assert all(plan is not None for plan in compiler._plans.values())  # run without Dynamo, the sizes passed in
 
 
-def test_fewest_compiled_is_where_the_eager_line_reaches_the_graph():
-    """fewest_compiled against its definition, B by B: the graph of B's bucket is no slower than an eager step,
-    linear in B between the eager times measured at the bucket below and at the bucket."""
-    rng = random.Random(0)
-    for _ in range(1000):
-        lo, size = rng.choice([(1, 2), (2, 4), (8, 16), (64, 128)])
-        t_lo, t_hi = sorted(rng.uniform(1, 10) for _ in range(2))
-        graph = rng.uniform(0.5, 11)
-        wins = [B for B in range(lo + 1, size + 1) if graph <= t_lo + (t_hi - t_lo) * (B - lo) / (size - lo)]
-        assert fewest_compiled(size, graph, t_hi, (lo, t_lo)) == (wins[0] if wins else size + 1)
-    assert fewest_compiled(1, 5.0, 1.0, None) == 1
+def test_row_ranges_cover_every_batch_once_and_split_where_a_kernel_changes_path(monkeypatch):
+    from leanlm import kernels
+    from leanlm.engine.compiled import MAX_SEQS, row_ranges
+
+    for rows in [(64, 256, 64), (0, 8, 16), (1, 1, 1), (300, 0, 255)]:
+        for name, n in zip(("bf16_rows", "int8_rows", "w8a16_rows"), rows):
+            monkeypatch.setattr(kernels, name, lambda n=n: n)
+        ranges = row_ranges()
+        assert ranges[0] == (1, 1) and ranges[-1][1] == MAX_SEQS
+        assert all(a[1] + 1 == b[0] and b[0] <= b[1] for a, b in zip(ranges, ranges[1:]))
+        assert {hi for _, hi in ranges[1:-1]} == {n for n in rows if 1 < n < MAX_SEQS}
+        assert row_ranges(5) == [r for r in ranges if r[0] <= 5]
 
 
 def assert_greedy_lengths_equal_one_by_one(engine, model, ps, lengths) -> None:
@@ -407,19 +399,22 @@ def test_int4_kv_pool_is_batch_invariant_and_close_to_the_full_precision_pool(ti
     assert 0 < gap.mean() < 0.05
 
 
-def test_build_graphs_compiles_every_bucket_up_to_max_num_seqs_before_any_request(tiny, monkeypatch):
-    """A server's engine compiles each batch bucket a step can pad to before it answers (no request pays a
-    compilation); the buckets are those up to the first that holds max_num_seqs, and serving them compiles nothing."""
+def test_build_graphs_compiles_every_graph_up_to_max_num_seqs_before_any_request(tiny, monkeypatch):
+    """A server's engine compiles each graph a step of up to max_num_seqs sequences runs before it answers (no
+    request pays a compilation), and serving then compiles nothing."""
+    from leanlm.engine.compiled import row_ranges
+
     model, tok = tiny
     engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 24, compile=True, max_num_seqs=5))
     if engine.runner.compiled is None:
         pytest.skip("no paged-attention kernel here")
     logs = []
     engine.build_graphs(logs.append)
-    assert sorted(k[0] for k in engine.runner.compiled.compiler._plans) == [1, 2, 4, 8]
-    assert len(logs) == 2 and logs[0].startswith("compiling the decode steps of 1, 2, 4, 8 sequences")
-    assert logs[1].startswith("4 compiled decode steps ready in")
-    if len(os.sched_getaffinity(0)) > 1:  # buckets 8 and 2 compiled by a helper process, loaded here from the caches
-        assert "8, 2 in a helper process" in logs[0]
+    ranges = row_ranges(5)
+    assert sorted(k[0] for k in engine.runner.compiled.compiler._plans) == ranges
+    assert len(logs) == 2 and logs[0].startswith(f"compiling {len(ranges)} decode steps, for 1, 2-")
+    assert logs[1].startswith(f"{len(ranges)} compiled decode steps ready in")
+    if len(os.sched_getaffinity(0)) > 1:  # the last range compiled by a helper process, loaded here from the caches
+        assert f"{ranges[-1][0]}-{ranges[-1][1]} in a helper process" in logs[0]
     monkeypatch.setattr(engine.runner.compiled.compiler, "_compile", lambda: pytest.fail("compiled on a request"))
     assert_greedy_lengths_equal_one_by_one(engine, model, prompts(5, seed=5), (2, 5, 5, 8, 8))

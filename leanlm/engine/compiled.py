@@ -2,7 +2,7 @@
 graph (inductor fuses each layer's elementwise work; at one sequence the projections become the batch-1 runtime's
 streaming GEMVs). The batch size is a symbolic dimension of the graph, so a step runs exactly its sequences' rows,
 no padding, and a few graphs cover every batch: one for a single sequence, one for each range of rows between the
-row counts at which a kernel changes path (kernels.bf16_rows() and the like, where a Linear picks another product).
+row counts at which a module changes path (its row_splits(): where a Linear picks another product).
 Each graph takes ~2 minutes to build cold on 2 cores (most of it g++ on its ~300 KB of C++), ~12 s from inductor's
 cache; a graph per power-of-two batch, as before, made a cold `serve --compile` take 12 minutes on a Zen 3. Block
 tables are as wide as the longest a context can need."""
@@ -24,11 +24,12 @@ from leanlm.generation.compiled import StepCompiler
 MAX_SEQS = 256  # the most sequences a compiled step runs
 
 
-def row_ranges(max_seqs: int = MAX_SEQS) -> list[tuple[int, int]]:
+def row_ranges(model, max_seqs: int = MAX_SEQS) -> list[tuple[int, int]]:
     """The batch sizes each graph covers, (first, last), up to max_seqs: one sequence alone (its own graph: the
-    GEMV path), then ranges split after each row count at which a kernel changes path."""
-    cuts = sorted({t for t in (kernels.bf16_rows(), kernels.int8_rows(), kernels.w8a16_rows()) if 1 < t < MAX_SEQS})
-    bounds = [1, *cuts, MAX_SEQS]
+    GEMV path), then ranges split after each row count at which one of the model's modules changes path (its
+    `row_splits()`, such as kernels.bf16_rows() for a bf16 Linear)."""
+    cuts = {t for m in model.modules() if hasattr(m, "row_splits") for t in m.row_splits() if 1 < t < MAX_SEQS}
+    bounds = [1, *sorted(cuts), MAX_SEQS]
     ranges = [(1, 1)] + [(lo + 1, hi) for lo, hi in zip(bounds, bounds[1:])]
     return [(lo, hi) for lo, hi in ranges if lo <= max_seqs]
 
@@ -68,13 +69,13 @@ class CompiledPagedDecoder:
         self.model, self.pool, self.scratch = model, pool, scratch
         self.width = cdiv(model.config.max_position, pool.block_size)
         self.compiler = StepCompiler(model, _paged_step)
-        self.ranges = row_ranges()
+        self.ranges = row_ranges(model)
 
     def build(self, max_seqs: int, log=lambda text: None) -> None:
         """Compile now every graph a batch of up to `max_seqs` sequences runs (a step on the scratch block each), so
         that no request pays a compilation. With a core to spare, a helper process compiles every other graph into
         inductor's caches meanwhile (g++ builds a graph on one core), and this process then loads those."""
-        sizes = [lo for lo, _ in row_ranges(max_seqs)]
+        sizes = [lo for lo, _ in row_ranges(self.model, max_seqs)]
         first = time.perf_counter()
         aside = sizes[-1::-2] if len(sizes) > 1 else ()  # the last range and every other one below it
         helper = self._helper(aside, log) if aside else None

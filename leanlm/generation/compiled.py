@@ -91,8 +91,10 @@ class StepCompiler:
         self._compiled: dict[tuple, object] = {}  # key -> its own torch.compile'd copy of fn
         self._captured: tuple | None = None
 
-    def _compile(self):
+    def _compile(self, batch: tuple[int, int] | None = None):
         options = dict(INDUCTOR_OPTIONS[next(self.model.parameters()).device.type])
+        if batch is not None:
+            options["post_grad_custom_post_pass"] = _range_key(batch)
 
         def backend(gm, example_inputs):
             from torch._inductor import compile as inductor_compile  # heavy (~1.5 s): only a compile needs it
@@ -103,8 +105,8 @@ class StepCompiler:
             return compiled
 
         # Dynamo keeps its graphs per code object: a copy of the step's code per key compiles (and captures) each
-        # graph once, never as a recompile of another (Dynamo stops a code object after 8: the engine has 9 batch
-        # buckets), and two models of equal shapes never run each other's.
+        # graph once, never as a recompile of another (Dynamo stops a code object after 8), and two models of equal
+        # shapes never run each other's.
         step = types.FunctionType(self.step.__code__.replace(), self.step.__globals__, self.step.__name__)
         return torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
 
@@ -120,7 +122,7 @@ class StepCompiler:
             for value in inputs.values():
                 if isinstance(value, torch.Tensor):
                     torch._dynamo.mark_dynamic(value, 0, min=batch[0], max=batch[1])
-        self._compiled[key] = self._compile()
+        self._compiled[key] = self._compile(batch)
         out = self._compiled[key](self.model, **inputs)
         captured, self._captured = self._captured, None  # the graph's example inputs hold this call's tensors
         plan = _Plan.make(*captured, inputs, self.model) if captured is not None else None
@@ -128,6 +130,22 @@ class StepCompiler:
             plan = _GraphedPlan(plan)
         self._plans[key] = plan
         return out
+
+
+def _range_key(batch: tuple[int, int]):
+    """A post-grad pass that changes nothing, whose uuid keys inductor's caches by a graph's batch range: a graph
+    of the same code cached for another range would otherwise be a hit whose recorded bounds contradict this range
+    (torch raises ConstraintViolationError)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class RangeKey(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            pass
+
+        def uuid(self) -> tuple:
+            return ("leanlm batch range", *batch)
+
+    return RangeKey()
 
 
 class CompiledDecoder:

@@ -76,6 +76,9 @@ class AdditiveLinear(_QuantLinearBase):
         """Float32 weight the kernel uses  # [N, K]"""
         return codebook_weight(self.codes, self.codebooks, self.scales)
 
+    def row_splits(self) -> tuple[int, ...]:
+        return (GEMV_ROWS,)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         if not x.is_cpu or (ops := kernels.ops()) is None:

@@ -61,6 +61,11 @@ class _QuantLinearBase(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", bias)
 
+    def row_splits(self) -> tuple[int, ...]:
+        """Row counts after which forward takes another path on this machine (a compiled graph of a symbolic batch
+        size must not span one: engine.compiled.row_ranges)."""
+        return ()
+
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Add the bias and restore x's dtype and leading dims.  y [M, N] -> [..., N]"""
         if self.bias is not None:
@@ -125,6 +130,9 @@ class W8A16Linear(_QuantLinearBase):
     def dequantized_weight(self) -> torch.Tensor:
         """Float32 weight the kernel uses  # [N, K]"""
         return self.weight.float() * self.scales.float()[:, None]
+
+    def row_splits(self) -> tuple[int, ...]:
+        return (kernels.w8a16_rows(),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cpu:
@@ -222,6 +230,10 @@ class W4A16Linear(_QuantLinearBase):
         g = self.group_size
         return (q - 8) * self.scales.float().t().repeat_interleave(g, 1) + self.zeros.float().t().repeat_interleave(g, 1)
 
+    def row_splits(self) -> tuple[int, ...]:
+        ops = kernels.ops()
+        return (kernels.INT4_PACKED_ROWS - 1,) if ops is not None and ops.bf16_isa() == "avx512bf16" else ()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and \
                 (weights := self._tinygemm_weights_on(x.device)) is not None:
@@ -310,6 +322,9 @@ class PackedW4A8Linear(W4A8Linear):
         """The codes in W4A16's layout [N, K/2] (a copy)."""
         return pack_int4(kernels.unpack_int4_q8(self.packed))
 
+    def row_splits(self) -> tuple[int, ...]:
+        return ()  # one kernel at any row count
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         if not (x2d.is_cpu and self.packed.is_cpu) or (ops := kernels.ops()) is None:  # moved since (model.to)
@@ -382,6 +397,9 @@ class W8A8Linear(_QuantLinearBase):
             return ops.int8_gemv_q8(x_q, xs, self.weight, self.scales)
         return ops.rescale(int8_matmul(x_q, self.weight), xs, self.scales)  # one pass over the sums
 
+    def row_splits(self) -> tuple[int, ...]:
+        return (kernels.int8_rows(),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._finish(self.int8_product(x.reshape(-1, self.in_features)), x)
 
@@ -409,6 +427,9 @@ class PackedW8A8Linear(W8A8Linear):
     def weight(self) -> torch.Tensor:
         """The int8 codes [N, K], unpacked (a copy)."""
         return kernels.unpack_int8(self.packed)
+
+    def row_splits(self) -> tuple[int, ...]:
+        return ()  # one kernel at any row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
@@ -439,6 +460,9 @@ class PackedW8A16Linear(W8A16Linear):
     def weight(self) -> torch.Tensor:
         """The int8 codes [N, K], unpacked (a copy)."""
         return kernels.unpack_pairs(self.packed)
+
+    def row_splits(self) -> tuple[int, ...]:
+        return ()  # one kernel at any row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
@@ -579,6 +603,9 @@ class W8A16Sparse24Linear(_QuantLinearBase):
     def dequantized_weight(self) -> torch.Tensor:
         """Float32 weight the kernel uses  # [N, K]"""
         return self.codes().float() * self.scales.float()[:, None]
+
+    def row_splits(self) -> tuple[int, ...]:
+        return (kernels.w8a16_rows(),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)

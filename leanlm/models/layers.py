@@ -27,6 +27,11 @@ class Linear(nn.Linear):
       because decode reads it whole every token.
     """
 
+    def row_splits(self) -> tuple[int, ...]:
+        """Row counts after which forward takes another path (a compiled graph of a symbolic batch size must not
+        span one: engine.compiled.row_ranges); one row is always a path of its own."""
+        return (kernels.bf16_rows(),) if self.weight.dtype == torch.bfloat16 else ()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:

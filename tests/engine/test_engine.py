@@ -234,18 +234,46 @@ def test_compiled_decode_steps_equal_one_by_one(tiny, monkeypatch):
     assert all(plan is not None for plan in compiler._plans.values())  # run without Dynamo, the sizes passed in
 
 
-def test_row_ranges_cover_every_batch_once_and_split_where_a_kernel_changes_path(monkeypatch):
-    from leanlm import kernels
+def test_a_graph_compiled_for_one_batch_range_is_not_taken_from_the_cache_for_another(tiny):
+    """Inductor's caches key a graph by its code, not by the bounds of its symbolic batch size: a graph cached for
+    2-8 rows would be a hit for 2-256 whose recorded bounds contradict the new range (a ConstraintViolationError),
+    as when a kernel's measured row limit changes. The range is part of the key, so each range compiles its own."""
+    from leanlm.engine.compiled import _paged_step, _scratch_batch
+    from leanlm.generation.compiled import StepCompiler
+
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_memory=1 << 22, compile=True))
+    decoder = engine.runner.compiled
+    inputs = decoder._inputs(*_scratch_batch(decoder.scratch, 3))
+    narrow, wide = (StepCompiler(model, _paged_step)(("rows", r), inputs, batch=r) for r in ((2, 8), (2, 256)))
+    torch.testing.assert_close(narrow, wide)
+
+
+def test_row_ranges_cover_every_batch_once_and_split_where_a_module_changes_path(tiny):
+    """The graphs' batch ranges: one sequence alone, then ranges that end at each module's row_splits() (inside the
+    256 a graph runs), covering every size once; a real model's modules say where their paths change."""
+    from torch import nn
+
     from leanlm.engine.compiled import MAX_SEQS, row_ranges
 
-    for rows in [(64, 256, 64), (0, 8, 16), (1, 1, 1), (300, 0, 255)]:
-        for name, n in zip(("bf16_rows", "int8_rows", "w8a16_rows"), rows):
-            monkeypatch.setattr(kernels, name, lambda n=n: n)
-        ranges = row_ranges()
+    class Splits(nn.Module):
+        def __init__(self, *rows):
+            super().__init__()
+            self.rows = rows
+
+        def row_splits(self):
+            return self.rows
+
+    for rows in [(64, 256, 64), (0, 8, 16), (1, 1, 1), (300, 0, 255), ()]:
+        model = nn.Sequential(nn.ReLU(), *(Splits(n) for n in rows))
+        ranges = row_ranges(model)
         assert ranges[0] == (1, 1) and ranges[-1][1] == MAX_SEQS
         assert all(a[1] + 1 == b[0] and b[0] <= b[1] for a, b in zip(ranges, ranges[1:]))
         assert {hi for _, hi in ranges[1:-1]} == {n for n in rows if 1 < n < MAX_SEQS}
-        assert row_ranges(5) == [r for r in ranges if r[0] <= 5]
+        assert row_ranges(model, 5) == [r for r in ranges if r[0] <= 5]
+    model, _ = tiny
+    splits = {t for m in model.modules() if hasattr(m, "row_splits") for t in m.row_splits()}
+    assert {hi for _, hi in row_ranges(model)[1:-1]} == {t for t in splits if 1 < t < MAX_SEQS}
 
 
 def assert_greedy_lengths_equal_one_by_one(engine, model, ps, lengths) -> None:
@@ -410,7 +438,7 @@ def test_build_graphs_compiles_every_graph_up_to_max_num_seqs_before_any_request
         pytest.skip("no paged-attention kernel here")
     logs = []
     engine.build_graphs(logs.append)
-    ranges = row_ranges(5)
+    ranges = row_ranges(model, 5)
     assert sorted(k[0] for k in engine.runner.compiled.compiler._plans) == ranges
     assert len(logs) == 2 and logs[0].startswith(f"compiling {len(ranges)} decode steps, for 1, 2-")
     assert logs[1].startswith(f"{len(ranges)} compiled decode steps ready in")

@@ -58,7 +58,7 @@ def serve(
                                                "32 rows)")] = True,
     compile: Annotated[bool, typer.Option("--compile/--eager", help="decode-only steps as compiled graphs (CPU), every "
                                           "graph up to --max-num-seqs sequences built before the server answers "
-                                          "(2 or 3 graphs, ~2 minutes each cold on 2 cores, ~12 s from inductor's "
+                                          "(2 or 3 graphs, ~1-2 minutes each cold on 2 cores, ~12 s from inductor's "
                                           "cache)")] = False,
     prompt_scorer: Annotated[str, typer.Option(help="the small model that compresses the prompts of requests that ask "
                                                     "for it (\"leanlm\": {\"compress_prompt\": {\"rate\": 0.5}}; "

@@ -3,7 +3,7 @@ graph (inductor fuses each layer's elementwise work; at one sequence the project
 streaming GEMVs). The batch size is a symbolic dimension of the graph, so a step runs exactly its sequences' rows,
 no padding, and a few graphs cover every batch: one for a single sequence, one for each range of rows between the
 row counts at which a module changes path (its row_splits(): where a Linear picks another product).
-Each graph takes ~2 minutes to build cold on 2 cores (most of it g++ on its ~300 KB of C++), ~12 s from inductor's
+The default model's graph takes ~1-1.5 minutes to build cold on 2 cores (most of it g++), ~12 s from inductor's
 cache; a graph per power-of-two batch, as before, made a cold `serve --compile` take 12 minutes on a Zen 3. Block
 tables are as wide as the longest a context can need."""
 
@@ -81,7 +81,7 @@ class CompiledPagedDecoder:
         helper = self._helper(aside, log) if aside else None
         aside = aside if helper is not None else ()
         log(f"compiling {len(sizes)} decode steps, for {', '.join(self._describe(n) for n in sizes)} sequences "
-            "(~2 minutes each on 2 cores, ~12 s once in inductor's cache"
+            "(~1-2 minutes each on 2 cores, ~12 s once in inductor's cache"
             + (f"; {', '.join(self._describe(n) for n in aside)} in a helper process" if aside else "") + ")")
         for size in sizes:
             if size not in aside:

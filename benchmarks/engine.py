@@ -149,7 +149,7 @@ def compile_warmup(llm: LLM, n: int) -> dict[str, float]:
     """Compile every decode graph a batch of up to n sequences runs (seconds each, by the batch sizes it covers): a
     batch of its first size's 4-token prompts (one prefill step) and one decode-only step."""
     seconds = {}
-    for lo, hi in row_ranges(n):
+    for lo, hi in row_ranges(llm.engine.model, n):
         start = time.perf_counter()
         llm.generate([[100 + i] * 4 for i in range(lo)], greedy(2), progress=False)
         seconds[f"{lo}-{hi}"] = time.perf_counter() - start

@@ -75,7 +75,7 @@ class CompiledPagedDecoder:
         """Compile now every graph a batch of up to `max_seqs` sequences runs (a step on the scratch block each), so
         that no request pays a compilation. With a core to spare, a helper process compiles every other graph into
         inductor's caches meanwhile (g++ builds a graph on one core), and this process then loads those."""
-        sizes = [lo for lo, _ in row_ranges(self.model, max_seqs)]
+        sizes = [lo for lo, _ in self.ranges if lo <= max_seqs]
         first = time.perf_counter()
         aside = sizes[-1::-2] if len(sizes) > 1 else ()  # the last range and every other one below it
         helper = self._helper(aside, log) if aside else None

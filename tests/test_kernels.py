@@ -145,9 +145,9 @@ def _int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("N, K", [(16, 4), (80, 200), (48, 576), (32, 1536)])  # K 576 and 1536: 3 and 6 chunks
 @pytest.mark.parametrize("M", [1, 3, 8, 19])
 def test_w8a16_packed_gemm_sums_the_int16_rows_exactly(ops, N, K, M):
-    """AVX-512: x rounded to int16 per row (as int8_gemv), exact int32 sums over each 256 columns, added in float32,
-    times x's and the weight's scales: that formula's bits in torch, in float32 and rounded to bf16 once, and a row's
-    bits alone as in any batch. The other builds: float products, close to the float reference."""
+    """AVX-512 and AVX2: x rounded to int16 per row (as int8_gemv), exact int32 sums over each 256 columns, added in
+    float32, times x's and the weight's scales: that formula's bits in torch, in float32 and rounded to bf16 once, and
+    a row's bits alone as in any batch. The plain loops: float products, close to the float reference."""
     g = torch.Generator().manual_seed(N * M + K)
     w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
     scale = (torch.rand(N, generator=g) + 0.5).bfloat16()
@@ -158,7 +158,7 @@ def test_w8a16_packed_gemm_sums_the_int16_rows_exactly(ops, N, K, M):
     assert torch.equal(packed[t, 0, 5], w[t * 16 + 5, :2]) and torch.equal(kernels.unpack_pairs(packed), w)
     y = ops.w8a16_packed_gemm(x, packed, scale, torch.float32)
     assert y.dtype == torch.float32 and y.shape == (M, N)
-    if ops.isa() == "avx512":
+    if ops.isa() != "portable":
         xq, xs = _int16_rows(x)
         sums = torch.zeros(M, N)
         for c in range(0, K, 256):

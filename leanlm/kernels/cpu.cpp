@@ -1015,12 +1015,49 @@ struct PackedW8 {
   template <int MB, int NB>
   static constexpr auto at = w8_packed_block<MB, NB, Out>;
 };
+#elif defined(LEANLM_AVX2)
+// AVX2 has no `vpdpwssd`: `vpmaddwd` multiplies a half-tile's int16 pairs (8 columns' codes k, k + 1) by x's pair
+// into 8 int32 lanes and a `vpaddd` adds them, the same exact int32 sums. R rows by one tile of 16 columns: 2R
+// accumulators, the tile's two halves and x's pair (11 of the 16 registers at R = 4); the float sums, touched once a
+// chunk, in memory. The same bits as the AVX-512 loop.
+template <int R, typename Out>
+void w8_packed_tile(const int16_t* x, const float* xs, int64_t K, int64_t ldx, const int8_t* w, const bf16* scale,
+                    Out* y, int64_t N) {  // x's rows ldx apart; w, scale, y: the tile's first
+  alignas(32) float sum[R][16] = {};
+  for (int64_t c = 0; c < K; c += kW8Chunk) {
+    __m256i acc[R][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    for (int64_t k = c; k < std::min(K, c + kW8Chunk); k += 2) {
+      prefetch(w + k * 16);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k * 16)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k * 16 + 16)));
+#pragma GCC unroll 4
+      for (int m = 0; m < R; ++m) {
+        const __m256i xv = pair(x + m * ldx + k);
+        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(w0, xv));
+        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(w1, xv));
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < R; ++m)
+      for (int h = 0; h < 2; ++h)
+        _mm256_store_ps(sum[m] + 8 * h, _mm256_add_ps(_mm256_load_ps(sum[m] + 8 * h), _mm256_cvtepi32_ps(acc[m][h])));
+  }
+  for (int m = 0; m < R; ++m)
+    for (int h = 0; h < 2; ++h) {
+      float f[8];
+      const __m256 v = _mm256_mul_ps(_mm256_load_ps(sum[m] + 8 * h), _mm256_set1_ps(xs[m]));
+      _mm256_storeu_ps(f, _mm256_mul_ps(v, bf16x8(scale + 8 * h)));
+      for (int i = 0; i < 8; ++i) y[m * N + 8 * h + i] = Out(f[i]);
+    }
+}
 #endif
 
 template <typename Out>
 void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale, Out* yp, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
-#ifdef LEANLM_AVX512
+#ifdef LEANLM_SIMD
   const Rows r(x);  // x's rows rounded to int16 as int8_gemv rounds them, Kp apart
 #else
   const at::Tensor xf = x.to(at::kFloat);
@@ -1030,6 +1067,20 @@ void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale,
 #ifdef LEANLM_AVX512
     kBlocks<PackedW8<Out>>[mb - 1][nb - 1](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp + t * 16 * K,
                                            scale + t * 16, yp + m0 * N + t * 16, N);
+#elif defined(LEANLM_AVX2)
+    for (int64_t j = t; j < t + nb; ++j)
+      for (int64_t m = m0; m < m0 + mb; m += 4) {
+        const int16_t* xm = r.q + m * r.Kp;
+        const float* xsm = r.scale + m;
+        const int8_t* wj = wp + j * 16 * K;
+        Out* ym = yp + m * N + j * 16;
+        switch (std::min<int64_t>(4, m0 + mb - m)) {
+          case 4: w8_packed_tile<4>(xm, xsm, K, r.Kp, wj, scale + j * 16, ym, N); break;
+          case 3: w8_packed_tile<3>(xm, xsm, K, r.Kp, wj, scale + j * 16, ym, N); break;
+          case 2: w8_packed_tile<2>(xm, xsm, K, r.Kp, wj, scale + j * 16, ym, N); break;
+          default: w8_packed_tile<1>(xm, xsm, K, r.Kp, wj, scale + j * 16, ym, N);
+        }
+      }
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)
       for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {

@@ -14,6 +14,8 @@ from leanlm.pipeline import make_config
 
 needs_packed = pytest.mark.skipif(not kernels.packed_bf16(),
                                   reason="bf16_packed_gemm's vector loops need AVX512-BF16 or AVX2")
+needs_simd = pytest.mark.skipif(kernels.ops() is None or kernels.ops().isa() == "portable",
+                                reason="w8a16_packed_gemm's vector loops need AVX-512 VNNI or AVX2")
 needs_vnni = pytest.mark.skipif(kernels.ops() is None or kernels.ops().isa() != "avx512",
                                 reason="int8_packed_gemm's vector loops need AVX-512 VNNI")
 
@@ -121,7 +123,7 @@ def test_pack_linears_swaps_the_w8a8_layers_and_keeps_the_logits(tiny_dir):
         assert torch.equal(model(tokens, positions), reference(tokens, positions))
 
 
-@needs_vnni
+@needs_simd
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_w8a16_matches_the_w8a16_layer_and_any_batch(bias, dtype, monkeypatch):
@@ -144,7 +146,7 @@ def test_packed_w8a16_matches_the_w8a16_layer_and_any_batch(bias, dtype, monkeyp
     assert packed.bits_per_weight == layer.bits_per_weight and packed.record() == layer.record()
 
 
-@needs_vnni
+@needs_simd
 def test_pack_linears_swaps_the_w8a16_layers_and_keeps_the_logits(tiny_dir, monkeypatch):
     """Against the dequantized weights in float32 (W8A16Linear's own paths round x to bf16 past a few rows)."""
     model, reference = (load_model(tiny_dir, torch.float32) for _ in range(2))

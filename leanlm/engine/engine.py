@@ -66,8 +66,10 @@ class Engine:
         """The compiled decode steps, when asked for and possible (else a warning: steps run eager)."""
         if not self.config.compile:
             return None
-        if self.config.deterministic or not CompiledPagedDecoder.supports(self.pool):
+        dynamic = [type(m).__name__ for m in self.model.modules() if not getattr(m, "compilable", True)]
+        if self.config.deterministic or dynamic or not CompiledPagedDecoder.supports(self.pool):
             why = "deterministic mode feeds fixed tiles" if self.config.deterministic else (
+                f"{dynamic[0]} layers choose their work from the data (no fixed graph)" if dynamic else
                 f"the {self.config.kv_cache} KV cache is quantized outside the graph" if self.config.kv_cache != "auto" else
                 "the engine's compiled steps run on a CPU only (their paged attention is a CPU kernel)"
                 if self.pool.k[0].device.type != "cpu" else

@@ -525,6 +525,7 @@ class Int8OutlierLinear(W8A8Linear):
     and the two products are summed.  https://arxiv.org/abs/2208.07339 (mixed-precision decomposition)"""
 
     SCHEME = "llm_int8"
+    compilable = False  # its outlier columns come from each batch's values (nonzero): no one graph (engine._compiled)
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None, threshold: float = 6.0):
         super().__init__(in_features, out_features, bias)

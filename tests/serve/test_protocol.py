@@ -1,6 +1,7 @@
 """The protocol as vLLM speaks it, and the server's bounds: each test here failed on the server before #36."""
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -12,6 +13,7 @@ import torch
 from serving import KEY, NAME, Server, client, greedy
 
 from leanlm.generation.sampling import SamplingParams
+from leanlm.lowbit.linear import Int8OutlierLinear
 
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
@@ -195,6 +197,12 @@ def test_compile_with_what_it_cannot_compile_warns(tiny, capsys):
     Engine(*tiny, EngineConfig(kv_cache_memory=1 << 22, compile=True, deterministic=True))
     err = capsys.readouterr().err
     assert "compile is off" in err and "deterministic" in err
+    model = copy.deepcopy(tiny[0])  # one LLM.int8() layer: its outlier columns come from the data
+    name, linear = next((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    model.set_submodule(name, Int8OutlierLinear.from_float(linear))
+    Engine(model, tiny[1], EngineConfig(kv_cache_memory=1 << 22, compile=True))
+    err = capsys.readouterr().err
+    assert "compile is off" in err and "Int8OutlierLinear layers choose their work from the data" in err
 
 
 def test_sampling_params_penalties_match_their_definition():

@@ -38,8 +38,7 @@ def prefill_kernel(pool: KVPool):
     benchmarks/kernels.py --sections c)."""
     ops = paged_kernel(pool)
     entries = pool.k[0].dtype in (torch.bfloat16, torch.int8)
-    return ops if ops is not None and pool.dtype == torch.bfloat16 and entries and ops.bf16_isa() == "avx512bf16" \
-        else None
+    return ops if ops is not None and pool.dtype == torch.bfloat16 and entries and kernels.native_bf16() else None
 
 
 def slots_of(block_table: list[int], block_size: int, end: int, device=None) -> torch.Tensor:

@@ -236,7 +236,7 @@ def test_one_graph_per_row_range(name, packed):
     from leanlm.models.layers import pack_linears
 
     cls, kw = MODULES[name]
-    if not getattr(cls, "compilable", True):  # LLM.int8(): the engine runs its steps eager (test_engine)
+    if not getattr(cls, "compilable", True):  # LLM.int8(): the engine runs its steps eager (tests/serve/test_protocol.py)
         pytest.skip(f"{cls.__name__} chooses its work from the data: no fixed graph")
     model = nn.Sequential(cls.from_float(_linear(256, 96), **kw))
     if packed and not pack_linears(model):

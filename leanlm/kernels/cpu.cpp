@@ -155,9 +155,9 @@ inline __m256i pair(const int16_t* p) {  // broadcast two adjacent int16 to ever
   return _mm256_set1_epi32(v);
 }
 
-inline __m256i dot(__m256i acc, __m256i a, __m256i b) {  // acc + (pairwise int16 products summed into int32)
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-}
+// acc + (pairwise int16 products summed into int32); the sums in GCC's own int32 type, as arrays of __m256i (long long
+// lanes) updated through the int32 intrinsics were copied and spilled around every product (perf, w8_packed_tile)
+inline __v8si dot(__v8si acc, __m256i a, __m256i b) { return acc + (__v8si)_mm256_madd_epi16(a, b); }
 
 // Rows n0..n1 of w against M rows of x, as the AVX-512 loop; columns past the last 16 in plain integer loops.
 template <int M, typename S>
@@ -170,8 +170,8 @@ void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const 
     for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < K; c += kChunk) {
       const int64_t end = std::min(K, c + kChunk);
-      __m256i acc[M][2];
-      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      __v8si acc[M][2];
+      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = __v8si{};
       int64_t k = c;
       for (; k + 32 <= end; k += 32) {
         prefetch(row + k);
@@ -188,7 +188,7 @@ void int8_rows(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const 
       for (; k < end; ++k)
         for (int m = 0; m < M; ++m) rest[m] += row[k] * xq[m * Kp + k];
       for (int m = 0; m < M; ++m)
-        sum[m] = _mm256_add_ps(sum[m], _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1])));
+        sum[m] = _mm256_add_ps(sum[m], _mm256_cvtepi32_ps((__m256i)(acc[m][0] + acc[m][1])));
     }
     for (int m = 0; m < M; ++m) y[m * N + n] = (hsum(sum[m]) + float(rest[m])) * xs[m] * float(scale[n]);
   }
@@ -206,8 +206,8 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
     __m256 sum[M][2];
     for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < G; ++j) {
-      __m256i acc[M][2];
-      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      __v8si acc[M][2];
+      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = __v8si{};
       for (int64_t k = j * g; k < (j + 1) * g; k += 4) {
         prefetch(tile + k * 8);
         for (int h = 0; h < 2; ++h) {
@@ -221,7 +221,7 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
         const __m256 s = bf16x8(scales + j * N + t * 16 + 8 * h);
         const __m256 zb = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8(zeros + j * N + t * 16 + 8 * h));
         for (int m = 0; m < M; ++m) {
-          const __m256 dotf = _mm256_cvtepi32_ps(acc[m][h]);
+          const __m256 dotf = _mm256_cvtepi32_ps((__m256i)acc[m][h]);
           sum[m][h] = _mm256_fmadd_ps(dotf, _mm256_mul_ps(s, _mm256_set1_ps(xs[m])), sum[m][h]);
           sum[m][h] = _mm256_fmadd_ps(zb, _mm256_set1_ps(xsum[m * G + j]), sum[m][h]);
         }
@@ -1025,9 +1025,9 @@ void w8_packed_tile(const int16_t* x, const float* xs, int64_t K, int64_t ldx, c
                     Out* y, int64_t N) {  // x's rows ldx apart; w, scale, y: the tile's first
   alignas(32) float sum[R][16] = {};
   for (int64_t c = 0; c < K; c += kW8Chunk) {
-    __m256i acc[R][2];
+    __v8si acc[R][2];
 #pragma GCC unroll 4
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = (__v8si)_mm256_setzero_si256();
     for (int64_t k = c; k < std::min(K, c + kW8Chunk); k += 2) {
       prefetch(w + k * 16);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k * 16)));
@@ -1035,14 +1035,15 @@ void w8_packed_tile(const int16_t* x, const float* xs, int64_t K, int64_t ldx, c
 #pragma GCC unroll 4
       for (int m = 0; m < R; ++m) {
         const __m256i xv = pair(x + m * ldx + k);
-        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(w0, xv));
-        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(w1, xv));
+        acc[m][0] = dot(acc[m][0], w0, xv);
+        acc[m][1] = dot(acc[m][1], w1, xv);
       }
     }
 #pragma GCC unroll 4
     for (int m = 0; m < R; ++m)
       for (int h = 0; h < 2; ++h)
-        _mm256_store_ps(sum[m] + 8 * h, _mm256_add_ps(_mm256_load_ps(sum[m] + 8 * h), _mm256_cvtepi32_ps(acc[m][h])));
+        _mm256_store_ps(sum[m] + 8 * h,
+                        _mm256_add_ps(_mm256_load_ps(sum[m] + 8 * h), _mm256_cvtepi32_ps((__m256i)acc[m][h])));
   }
   for (int m = 0; m < R; ++m)
     for (int h = 0; h < 2; ++h) {
@@ -1516,8 +1517,8 @@ template <int N>
 inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const int8_t* run, int64_t stride,
                            f32x16 ks, float* s, int64_t width) {
 #if defined(LEANLM_AVX2)  // `vpmaddwd`: a run's codes widened to int16 pairs against the query's pair, in int32
-  __m256i a[N][2];  // tokens 0-7 and 8-15 of the run, a head
-  for (int g = 0; g < N; ++g) a[g][0] = a[g][1] = _mm256_setzero_si256();
+  __v8si a[N][2];  // tokens 0-7 and 8-15 of the run, a head
+  for (int g = 0; g < N; ++g) a[g][0] = a[g][1] = __v8si{};
   const uint32_t* qw = (const uint32_t*)q;
   for (int64_t p = 0; p < D / 2; ++p) {
     __m256i k[2];
@@ -1525,14 +1526,14 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
       k[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(run + p * stride + 16 * j)));
     for (int g = 0; g < N; ++g) {
       const __m256i x = _mm256_set1_epi32(int(qw[g * D / 2 + p]));
-      for (int j = 0; j < 2; ++j) a[g][j] = _mm256_add_epi32(a[g][j], _mm256_madd_epi16(k[j], x));
+      for (int j = 0; j < 2; ++j) a[g][j] = dot(a[g][j], k[j], x);
     }
   }
   float k16[16];
   std::memcpy(k16, &ks, sizeof k16);
   for (int g = 0; g < N; ++g)
     for (int j = 0; j < 2; ++j)
-      _mm256_storeu_ps(s + g * width + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(a[g][j]),
+      _mm256_storeu_ps(s + g * width + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps((__m256i)a[g][j]),
                                                             _mm256_mul_ps(_mm256_loadu_ps(k16 + 8 * j),
                                                                           _mm256_set1_ps(qs[g]))));
 #else

@@ -153,8 +153,8 @@ void rows24(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int
     for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < K; c += kChunk) {
       const int64_t end = std::min(K, c + kChunk);
-      __m256i acc[M][2];
-      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      __v8si acc[M][2];  // GCC's own int32 type: arrays of __m256i were spilled around every product (cpu.cpp dot)
+      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = __v8si{};
       int64_t k = c;
       for (int u = 0; k + 16 <= end; k += 16, u ^= 1) {
         if (u == 0) _mm_prefetch((const char*)(v + k / 2 + kPrefetch), _MM_HINT_T0);
@@ -163,8 +163,7 @@ void rows24(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int
         const __m128i dense = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)(v + k / 2)), ctl);
         const __m256i wv = _mm256_cvtepi8_epi16(dense);
         for (int m = 0; m < M; ++m)
-          acc[m][u] = _mm256_add_epi32(
-              acc[m][u], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i*)(xq + m * Kp + k))));
+          acc[m][u] += (__v8si)_mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i*)(xq + m * Kp + k)));
       }
       for (; k < end; k += 4) {  // 4, 8 or 12 inputs left
         const int bits = (mk[k / 8] >> (k % 8)) & 15;
@@ -175,7 +174,7 @@ void rows24(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int
           }
       }
       for (int m = 0; m < M; ++m)
-        sum[m] = _mm256_add_ps(sum[m], _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m][0], acc[m][1])));
+        sum[m] = _mm256_add_ps(sum[m], _mm256_cvtepi32_ps((__m256i)(acc[m][0] + acc[m][1])));
     }
     for (int m = 0; m < M; ++m) y[m * N + n] = (hsum(sum[m]) + float(rest[m])) * xs[m] * float(scale[n]);
   }

@@ -100,15 +100,15 @@ class PackedEmbedding(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Swap an inference model's layers on this CPU for their packed counterparts where the kernels' vector loops
     run and the shapes pack: bf16 Linear for PackedLinear (AVX512-BF16 or AVX2; out_features % 16 ==
-    in_features % 2 == 0), W8A16Linear for PackedW8A16Linear (AVX-512 VNNI or AVX2), W8A8Linear for
-    PackedW8A8Linear (AVX-512 VNNI; % 16, % 4, in_features <= 32768, where the int32 sums are exact) and W4A8Linear
-    for PackedW4A8Linear (AVX-512 VNNI). A Linear tied to an nn.Embedding (an lm_head) is packed with it: the
+    in_features % 2 == 0), W8A16Linear for PackedW8A16Linear and W8A8Linear for PackedW8A8Linear (AVX-512 VNNI or
+    AVX2; W8A8: % 16, % 4, in_features <= 32768, where the int32 sums are exact) and W4A8Linear for PackedW4A8Linear
+    (AVX-512 VNNI). A Linear tied to an nn.Embedding (an lm_head) is packed with it: the
     embedding becomes a PackedEmbedding of the same packed weight. Each weight is packed in its own memory. Returns
     how many Linears were swapped."""
     ops = kernels.ops()
     if ops is None:
         return 0
-    bf16, int8, w8a16 = kernels.packed_bf16(), ops.isa() == "avx512", ops.isa() in ("avx512", "avx2")
+    bf16, vnni, simd = kernels.packed_bf16(), ops.isa() == "avx512", ops.isa() in ("avx512", "avx2")
     tied = {id(m.weight): (parent, name) for parent in model.modules() for name, m in parent.named_children()
             if type(m) is nn.Embedding}
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
@@ -124,11 +124,11 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(parent, name, packed)
                 if id(w) in tied:
                     setattr(*tied[id(w)], PackedEmbedding(packed.packed))
-            elif int8 and type(child) is W8A8Linear and K % 4 == 0 and K <= 32768:
+            elif simd and type(child) is W8A8Linear and K % 4 == 0 and K <= 32768:
                 setattr(parent, name, PackedW8A8Linear(child, in_place=True))
-            elif w8a16 and type(child) is W8A16Linear:
+            elif simd and type(child) is W8A16Linear:
                 setattr(parent, name, PackedW8A16Linear(child, in_place=True))
-            elif int8 and type(child) is W4A8Linear and K % 8 == 0 and child.group_size % 8 == 0:
+            elif vnni and type(child) is W4A8Linear and K % 8 == 0 and child.group_size % 8 == 0:
                 setattr(parent, name, PackedW4A8Linear(child, in_place=True))
             else:
                 continue

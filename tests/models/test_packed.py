@@ -15,7 +15,7 @@ from leanlm.pipeline import make_config
 needs_packed = pytest.mark.skipif(not kernels.packed_bf16(),
                                   reason="bf16_packed_gemm's vector loops need AVX512-BF16 or AVX2")
 needs_simd = pytest.mark.skipif(kernels.ops() is None or kernels.ops().isa() == "portable",
-                                reason="w8a16_packed_gemm's vector loops need AVX-512 VNNI or AVX2")
+                                reason="w8a16_packed_gemm's and int8_packed_gemm's vector loops need AVX-512 VNNI or AVX2")
 needs_vnni = pytest.mark.skipif(kernels.ops() is None or kernels.ops().isa() != "avx512",
                                 reason="int8_packed_gemm's vector loops need AVX-512 VNNI")
 
@@ -92,7 +92,7 @@ def test_llm_packs_the_model_it_loads_and_leaves_a_given_one(tiny_dir):
     assert len(out.token_ids) == 6
 
 
-@needs_vnni
+@needs_simd
 @pytest.mark.parametrize("act_scale", [None, 0.02])  # per-token codes, one calibrated scale
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_w8a8_gives_the_w8a8_layers_bits(act_scale, dtype):
@@ -109,7 +109,7 @@ def test_packed_w8a8_gives_the_w8a8_layers_bits(act_scale, dtype):
     assert packed.options() == layer.options() and packed.bits_per_weight == layer.bits_per_weight
 
 
-@needs_vnni
+@needs_simd
 def test_pack_linears_swaps_the_w8a8_layers_and_keeps_the_logits(tiny_dir):
     model, reference = (load_model(tiny_dir, torch.bfloat16) for _ in range(2))
     for m in (model, reference):

@@ -102,9 +102,9 @@ def pack_linears(model: nn.Module) -> int:
     run and the shapes pack: bf16 Linear for PackedLinear (AVX512-BF16 or AVX2; out_features % 16 ==
     in_features % 2 == 0), W8A16Linear for PackedW8A16Linear and W8A8Linear for PackedW8A8Linear (AVX-512 VNNI or
     AVX2; W8A8: % 16, % 4, in_features <= 32768, where the int32 sums are exact) and W4A8Linear for PackedW4A8Linear
-    (AVX-512 VNNI). A Linear tied to an nn.Embedding (an lm_head) is packed with it: the
-    embedding becomes a PackedEmbedding of the same packed weight. Each weight is packed in its own memory. Returns
-    how many Linears were swapped."""
+    (AVX-512 VNNI). A Linear tied to an nn.Embedding (an lm_head) is packed with it: the embedding becomes a
+    PackedEmbedding of the same packed weight. Each weight is packed in its own memory. Returns how many Linears were
+    swapped."""
     ops = kernels.ops()
     if ops is None:
         return 0

@@ -15,7 +15,7 @@ from leanlm.pipeline import make_config
 needs_packed = pytest.mark.skipif(not kernels.packed_bf16(),
                                   reason="bf16_packed_gemm's vector loops need AVX512-BF16 or AVX2")
 needs_simd = pytest.mark.skipif(kernels.ops() is None or kernels.ops().isa() == "portable",
-                                reason="w8a16_packed_gemm's and int8_packed_gemm's vector loops need AVX-512 VNNI or AVX2")
+                                reason="the W8A16 and W8A8 packed products' vector loops need AVX-512 VNNI or AVX2")
 needs_vnni = pytest.mark.skipif(kernels.ops() is None or kernels.ops().isa() != "avx512",
                                 reason="int8_packed_gemm's vector loops need AVX-512 VNNI")
 

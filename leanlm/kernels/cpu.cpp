@@ -462,6 +462,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
       for (; k < K; k += 16)  // NaN-blind as std::max: the second operand when either is NaN
         amax16 = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(Rows::tail(K - k), row + k)), amax16);
       amax = _mm512_reduce_max_ps(amax16);
+#elif defined(LEANLM_AVX2)  // 8 at a time, the rest in the scalar loops
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 amax8 = _mm256_setzero_ps();
+      for (; k + 8 <= K; k += 8) amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)), amax8);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, amax8);
+      for (const float lane : lanes) amax = std::max(amax, lane);
 #endif
       for (; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
       const float scale = std::max(amax, 1e-12f) / 127.f;
@@ -475,6 +482,15 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512 clamped = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
         _mm_mask_storeu_epi8(code + k, mask, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(clamped)));
+      }
+#elif defined(LEANLM_AVX2)
+      const __m256 s8 = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+      for (; k + 8 <= K; k += 8) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), s8),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i q32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+        _mm_storel_epi64((__m128i*)(code + k), _mm_packs_epi16(q16, q16));
       }
 #endif
       for (; k < K; ++k)

@@ -945,34 +945,38 @@ struct PackedQ8 {
 // AVX2 has no `vpdpbusd`, and `vpmaddubsw` would saturate: its int16 sum of two (w + 128) x reaches 65280. The
 // packed bytes are widened to int16 instead (`vpmovzxbw`, as stored) and `vpmaddwd` against x's codes k..k + 3
 // (widened once, broadcast as 64 bits) adds pairs into int32, so a column's sum is two lanes (k, k + 1 and
-// k + 2, k + 3), added once at the end: the same exact sums as the AVX-512 loop, the same bits. R rows by half a
-// tile (8 columns, 32 of each quad's 64 bytes): 2R accumulators. Zen 3, 2 threads, the default model's gate_up_proj
-// and down_proj: see int8_packed_gemm's caller, PackedW8A8Linear.
-template <int R, typename Out>
+// k + 2, k + 3), added once at the end: the same exact sums as the AVX-512 loop, the same bits. R rows by H halves
+// of a tile (8 columns each, 32 of each quad's 64 bytes): 2RH accumulators. Three or four rows take a tile in two
+// passes (H = 1); one or two rows take it in one (H = 2), as the second pass read the tile again from L2 (a tile of
+// 576 columns is 36 KiB), which cost a batch-1 step ~20% (int8_gemv_q8 reads each row once).
+template <int R, int H, typename Out>
 void q8_packed_half(const int16_t* x, const int32_t* xsum, const float* xs, int64_t K, const uint8_t* w,
-                    const float* scale, Out* y, int64_t N) {  // w, scale, y: the half-tile's first
-  __v8si acc[R][2] = {};  // columns 0-3 and 4-7, two lanes each
+                    const float* scale, Out* y, int64_t N) {  // w, scale, y: the first half-tile's
+  __v8si acc[R][2 * H] = {};  // a half's columns 0-3 and 4-7, two lanes each
   for (int64_t k = 0; k < K; k += 4) {
     prefetch(w + k * 16);
-    const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + k * 16)));
-    const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + k * 16 + 16)));
+    __m256i wv[2 * H];
+    for (int i = 0; i < 2 * H; ++i)
+      wv[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + k * 16 + 16 * i)));
 #pragma GCC unroll 4
     for (int m = 0; m < R; ++m) {
       int64_t quad;
       std::memcpy(&quad, x + m * K + k, 8);
       const __m256i xv = _mm256_set1_epi64x(quad);
-      acc[m][0] = dot(acc[m][0], w0, xv);
-      acc[m][1] = dot(acc[m][1], w1, xv);
+      for (int i = 0; i < 2 * H; ++i) acc[m][i] = dot(acc[m][i], wv[i], xv);
     }
   }
-  const __m256 s = _mm256_loadu_ps(scale);
-  for (int m = 0; m < R; ++m) {
-    // hadd: columns [0 1 4 5 | 2 3 6 7]; the permutation puts them in order
-    const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32((__m256i)acc[m][0], (__m256i)acc[m][1]), 0xd8);
-    const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, _mm256_set1_epi32(128 * xsum[m])));
-    float f[8];
-    _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(xs[m])), s));
-    for (int i = 0; i < 8; ++i) y[m * N + i] = Out(f[i]);
+  for (int h = 0; h < H; ++h) {
+    const __m256 s = _mm256_loadu_ps(scale + 8 * h);
+    for (int m = 0; m < R; ++m) {
+      // hadd: columns [0 1 4 5 | 2 3 6 7]; the permutation puts them in order
+      const __m256i sums = _mm256_permute4x64_epi64(
+          _mm256_hadd_epi32((__m256i)acc[m][2 * h], (__m256i)acc[m][2 * h + 1]), 0xd8);
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, _mm256_set1_epi32(128 * xsum[m])));
+      float f[8];
+      _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(xs[m])), s));
+      for (int i = 0; i < 8; ++i) y[m * N + 8 * h + i] = Out(f[i]);
+    }
   }
 }
 #endif
@@ -989,16 +993,19 @@ void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, con
     kBlocks<PackedQ8<Out>>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K,
                                            scale + t * 16, yp + m0 * N + t * 16, N);
 #elif defined(LEANLM_AVX2)
-    for (int64_t n = t * 16; n < (t + nb) * 16; n += 8)  // half-tiles: the tile's quads hold columns n % 16 at 4 n
+    const bool whole = mb <= 2;  // one or two rows: a tile a pass (below)
+    for (int64_t n = t * 16; n < (t + nb) * 16; n += whole ? 16 : 8)  // the tile's quads hold columns n % 16 at 4 n
       for (int64_t m = m0; m < m0 + mb; m += 4) {
         const int16_t* xm = x16.data() + m * K;
         const uint8_t* wn = wp + n / 16 * 16 * K + n % 16 * 4;
         Out* ym = yp + m * N + n;
-        switch (std::min<int64_t>(4, m0 + mb - m)) {
-          case 4: q8_packed_half<4>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
-          case 3: q8_packed_half<3>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
-          case 2: q8_packed_half<2>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
-          default: q8_packed_half<1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N);
+        switch (whole ? -mb : std::min<int64_t>(4, m0 + mb - m)) {
+          case -2: q8_packed_half<2, 2>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
+          case -1: q8_packed_half<1, 2>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
+          case 4: q8_packed_half<4, 1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
+          case 3: q8_packed_half<3, 1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
+          case 2: q8_packed_half<2, 1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
+          default: q8_packed_half<1, 1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N);
         }
       }
 #else

@@ -412,7 +412,7 @@ class PackedW8A8Linear(W8A8Linear):
     (kernels.pack_int8) for every row count: the same bits as W8A8Linear's product, and faster than its paths from a
     few rows on (a SmolLM2-135M layer's gate_up_proj and down_proj from memory, 2 threads, benchmarks/kernels.py
     --sections q: Zen 4, 1.5x int8_gemv_q8 at one row, 1.6x at 32, 1.4-1.6x torch._int_mm at 256-1024; Zen 3 (AVX2),
-    0.8x int8_gemv_q8 at one row, 1.2-1.6x at 8-256). No backward; `weight` unpacks a copy of the codes."""
+    1.0x int8_gemv_q8 at one row, 1.2-1.6x at 8-1024). No backward; `weight` unpacks a copy of the codes."""
 
     def __init__(self, layer: W8A8Linear, in_place: bool = False):
         """in_place: write the packed layout over the layer's own codes (see PackedLinear)."""

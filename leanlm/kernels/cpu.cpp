@@ -687,6 +687,13 @@ constexpr auto block_table(std::index_sequence<M...>) {
 }
 template <typename Blocks, int64_t R = kPackRows>
 constexpr auto kBlocks = block_table<Blocks>(std::make_index_sequence<R>());
+// AVX2's table (16 registers: a few rows by one tile): kTiles<Tiles, R>[m - 1] is Tiles::at<m>, for m <= R rows of x
+template <typename Tiles, size_t... M>
+constexpr auto tile_table(std::index_sequence<M...>) {
+  return std::array{Tiles::template at<int(M) + 1>...};
+}
+template <typename Tiles, int64_t R = 4>
+constexpr auto kTiles = tile_table<Tiles>(std::make_index_sequence<R>());
 
 #ifdef LEANLM_AVX512
 inline void store_out(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
@@ -764,6 +771,12 @@ void packed_tile(const float* x, int64_t K, const bf16* w, Out* y, int64_t N) {
     for (int i = 0; i < 16; ++i) y[m * N + i] = Out(f[i]);
   }
 }
+
+template <typename Out>
+struct PackedTile {
+  template <int R>
+  static constexpr auto at = packed_tile<R, Out>;
+};
 #endif
 
 // mb (<= kPackRows) rows of x [mb, K] against nb (<= kPackTiles) tiles of a packed weight (w: the first; tiles ws
@@ -780,14 +793,8 @@ void packed_rows(const bf16* x, int64_t K, const bf16* w, int64_t ws, Out* y, in
   for (; i < mb * K; ++i) xf[i] = float(x[i]);
   for (int64_t j = 0; j < nb; ++j)
     for (int64_t m0 = 0; m0 < mb; m0 += 4) {
-      const float* xm = xf.data() + m0 * K;
-      Out* ym = y + m0 * N + 16 * j;
-      switch (std::min<int64_t>(4, mb - m0)) {
-        case 4: packed_tile<4>(xm, K, w + j * ws, ym, N); break;
-        case 3: packed_tile<3>(xm, K, w + j * ws, ym, N); break;
-        case 2: packed_tile<2>(xm, K, w + j * ws, ym, N); break;
-        default: packed_tile<1>(xm, K, w + j * ws, ym, N);
-      }
+      const auto tile = kTiles<PackedTile<Out>>[std::min<int64_t>(4, mb - m0) - 1];
+      tile(xf.data() + m0 * K, K, w + j * ws, y + m0 * N + 16 * j, N);
     }
 #else
   for (int64_t m = 0; m < mb; ++m)
@@ -979,6 +986,12 @@ void q8_packed_half(const int16_t* x, const int32_t* xsum, const float* xs, int6
     }
   }
 }
+
+template <int H, typename Out>
+struct Q8Halves {
+  template <int R>
+  static constexpr auto at = q8_packed_half<R, H, Out>;
+};
 #endif
 
 template <typename Out>
@@ -996,17 +1009,10 @@ void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, con
     const bool whole = mb <= 2;  // one or two rows: a tile a pass (below)
     for (int64_t n = t * 16; n < (t + nb) * 16; n += whole ? 16 : 8)  // the tile's quads hold columns n % 16 at 4 n
       for (int64_t m = m0; m < m0 + mb; m += 4) {
-        const int16_t* xm = x16.data() + m * K;
-        const uint8_t* wn = wp + n / 16 * 16 * K + n % 16 * 4;
-        Out* ym = yp + m * N + n;
-        switch (whole ? -mb : std::min<int64_t>(4, m0 + mb - m)) {
-          case -2: q8_packed_half<2, 2>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
-          case -1: q8_packed_half<1, 2>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
-          case 4: q8_packed_half<4, 1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
-          case 3: q8_packed_half<3, 1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
-          case 2: q8_packed_half<2, 1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N); break;
-          default: q8_packed_half<1, 1>(xm, xsum.data() + m, xs + m, K, wn, scale + n, ym, N);
-        }
+        const auto tile = whole ? kTiles<Q8Halves<2, Out>, 2>[mb - 1]
+                                : kTiles<Q8Halves<1, Out>>[std::min<int64_t>(4, m0 + mb - m) - 1];
+        tile(x16.data() + m * K, xsum.data() + m, xs + m, K, wp + n / 16 * 16 * K + n % 16 * 4, scale + n,
+             yp + m * N + n, N);
       }
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)
@@ -1126,6 +1132,12 @@ void w8_packed_tile(const int16_t* x, const float* xs, int64_t K, int64_t ldx, c
       for (int i = 0; i < 8; ++i) y[m * N + 8 * h + i] = Out(f[i]);
     }
 }
+
+template <typename Out>
+struct W8Tile {
+  template <int R>
+  static constexpr auto at = w8_packed_tile<R, Out>;
+};
 #endif
 
 template <typename Out>
@@ -1144,16 +1156,8 @@ void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale,
 #elif defined(LEANLM_AVX2)
     for (int64_t j = t; j < t + nb; ++j)
       for (int64_t m = m0; m < m0 + mb; m += 4) {
-        const int16_t* xm = r.q + m * r.Kp;
-        const float* xsm = r.scale + m;
-        const int8_t* wj = wp + j * 16 * K;
-        Out* ym = yp + m * N + j * 16;
-        switch (std::min<int64_t>(4, m0 + mb - m)) {
-          case 4: w8_packed_tile<4>(xm, xsm, K, r.Kp, wj, scale + j * 16, ym, N); break;
-          case 3: w8_packed_tile<3>(xm, xsm, K, r.Kp, wj, scale + j * 16, ym, N); break;
-          case 2: w8_packed_tile<2>(xm, xsm, K, r.Kp, wj, scale + j * 16, ym, N); break;
-          default: w8_packed_tile<1>(xm, xsm, K, r.Kp, wj, scale + j * 16, ym, N);
-        }
+        const auto tile = kTiles<W8Tile<Out>>[std::min<int64_t>(4, m0 + mb - m) - 1];
+        tile(r.q + m * r.Kp, r.scale + m, K, r.Kp, wp + j * 16 * K, scale + j * 16, yp + m * N + j * 16, N);
       }
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)

@@ -954,8 +954,8 @@ struct PackedQ8 {
 // (widened once, broadcast as 64 bits) adds pairs into int32, so a column's sum is two lanes (k, k + 1 and
 // k + 2, k + 3), added once at the end: the same exact sums as the AVX-512 loop, the same bits. R rows by H halves
 // of a tile (8 columns each, 32 of each quad's 64 bytes): 2RH accumulators. Three or four rows take a tile in two
-// passes (H = 1); one or two rows take it in one (H = 2), as the second pass read the tile again from L2 (a tile of
-// 576 columns is 36 KiB), which cost a batch-1 step ~20% (int8_gemv_q8 reads each row once).
+// passes (H = 1); one or two rows take it in one (H = 2): the second pass read the tile again from L2 (a tile of
+// 576 columns is 36 KiB), and one row ran at 0.8x int8_gemv_q8 (kernels.py --sections q), level with it since.
 template <int R, int H, typename Out>
 void q8_packed_half(const int16_t* x, const int32_t* xsum, const float* xs, int64_t K, const uint8_t* w,
                     const float* scale, Out* y, int64_t N) {  // w, scale, y: the first half-tile's
@@ -1006,7 +1006,7 @@ void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, con
     kBlocks<PackedQ8<Out>>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K,
                                            scale + t * 16, yp + m0 * N + t * 16, N);
 #elif defined(LEANLM_AVX2)
-    const bool whole = mb <= 2;  // one or two rows: a tile a pass (below)
+    const bool whole = mb <= 2;  // one or two rows: a whole tile a pass (q8_packed_half)
     for (int64_t n = t * 16; n < (t + nb) * 16; n += whole ? 16 : 8)  // the tile's quads hold columns n % 16 at 4 n
       for (int64_t m = m0; m < m0 + mb; m += 4) {
         const auto tile = whole ? kTiles<Q8Halves<2, Out>, 2>[mb - 1]

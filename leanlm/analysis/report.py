@@ -70,9 +70,9 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None,
     cache = StaticCache(cfg, batch, length, model.dtype, model.device)
     prefill = min(length, 512)
     with PeakTensorBytes() as tracker:
-        model(torch.zeros(1, prefill, dtype=torch.long, device=model.device), torch.arange(prefill, device=model.device)[None], last_only=True)
+        model(torch.zeros(1, prefill, dtype=torch.long, device=model.device),
+              torch.arange(prefill, device=model.device)[None], last_only=True)
 
-    d, L, V, I = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.intermediate_size
     mem = Table("quantity", "formula", "formula", "measured", title=f"memory ({str(model.dtype)[6:]})")
     rows = [
         ("embedding params", "V x d", counts.embedding, _count(model, "embed_tokens")),
@@ -84,7 +84,8 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None,
     ]
     for name, formula, value, measured in rows:
         mem.add_row(name, formula, f"{value:,}", f"{measured:,}")
-    mem.add_row("weights MB", f"params x {nbytes} B", f"{counts.total * nbytes / MB:,.1f}", f"{stored_bytes(model) / MB:,.1f}")
+    mem.add_row("weights MB", f"params x {nbytes} B", f"{counts.total * nbytes / MB:,.1f}",
+                f"{stored_bytes(model) / MB:,.1f}")
     if any(hasattr(m, "BITS") for m in model.modules()):
         formula, params = formula_weight_bytes(model)
         mem.add_row("quantized weights MB", "quantized params x bits / 8 + the rest x dtype bytes (scales included)",
@@ -96,7 +97,8 @@ def memory_report(model: Transformer, batch: int = 1, length: int | None = None,
                 f"{weight_bytes_read(model) / MB:,.1f}")
     mem.add_row(f"KV cache MB, {batch} x {length}", f"2 x L x kv_heads x head_dim x {nbytes} B x batch x length",
                 f"{kv_cache_bytes(cfg, batch, length, nbytes) / MB:,.1f}", f"{cache.nbytes / MB:,.1f}")
-    mem.add_row(f"activations MB, prefill 1 x {prefill}", f"T x ((2d + max(2q + 2kv, 3I)) x {nbytes} B + 2d x 4 B) + V x 4 B",
+    mem.add_row(f"activations MB, prefill 1 x {prefill}",
+                f"T x ((2d + max(2q + 2kv, 3I)) x {nbytes} B + 2d x 4 B) + V x 4 B",
                 f"{activation_bytes(cfg, 1, prefill, nbytes) / MB:,.1f}", f"{tracker.peak / MB:,.1f}")
     sparse = sparsity_table(model)
     return Group(arch, mem) if sparse is None else Group(arch, mem, sparse)

@@ -2262,6 +2262,38 @@ inline f32x16 round_bf16(f32x16 v) {  // v rounded to bf16 and back
   return r;
 }
 
+// The elementwise ops below run on Row vectors: 16 floats, or 8 on AVX2, where GCC kept 16-float vectors in memory
+// (Zen 3, 256 rows of the default model, 2 threads: silu_mul 1108 -> 394 us, rms_norm 142 -> 62, rope 94 -> 82).
+// silu_mul and rope give the same bits; rms_norm sums its squares in 8 lanes, not 16 (the same bits on those rows).
+#if defined(LEANLM_AVX2)
+using Row = f32x8;
+using RowMask = i32x8;
+inline Row load_row(const bf16* p) {
+  return (Row)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+inline u32x8 bf16_bits(Row v) {  // as to_bf16, in the top half of each lane (the bottom half left to clear)
+  const u32x8 b = (u32x8)v;
+  return b + 0x7FFF + ((b >> 16) & 1);
+}
+inline void store_row(bf16* p, Row v) {
+  const __m256i h = _mm256_srli_epi32((__m256i)bf16_bits(v), 16);  // at most 0xFFFF: packs exactly
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xd8)));
+}
+inline Row round_bf16(Row v) { return (Row)(bf16_bits(v) & 0xffff0000u); }
+#else
+using Row = f32x16;
+using RowMask = i32x16;
+inline Row load_row(const bf16* p) { return load16(p); }
+inline void store_row(bf16* p, Row v) { store16(p, v); }
+#endif
+constexpr int64_t kRow = sizeof(Row) / sizeof(float);
+inline float sum_row(Row v) {
+  float s = 0.f;
+  for (int i = 0; i < kRow; ++i) s += v[i];
+  return s;
+}
+
 // x H_16 for 16 floats: four butterfly stages (strides 8, 4, 2, 1), each a lane swap, then lane i keeps a + b where
 // bit s of i is clear and b - a where it is set (b the swapped lane: y[i] = x[i] + x[i ^ s], or x[i ^ s] - x[i])
 inline f32x16 hadamard16(f32x16 a) {
@@ -2289,10 +2321,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const bf16* row = xp + m * D;
-      f32x16 sq{};
-      for (int64_t d = 0; d < D; d += 16) sq += load16(row + d) * load16(row + d);
-      const float r = 1.f / std::sqrt(sum16(sq) / float(D) + float(eps));
-      for (int64_t d = 0; d < D; d += 16) store16(yp + m * D + d, round_bf16(load16(row + d) * r) * load16(wp + d));
+      Row sq{};
+      for (int64_t d = 0; d < D; d += kRow) sq += load_row(row + d) * load_row(row + d);
+      const float r = 1.f / std::sqrt(sum_row(sq) / float(D) + float(eps));
+      for (int64_t d = 0; d < D; d += kRow)
+        store_row(yp + m * D + d, round_bf16(load_row(row + d) * r) * load_row(wp + d));
     }
   });
   return y;
@@ -2310,12 +2343,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   bf16* hp = h.data_ptr<bf16>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t i = 0; i < I; i += 16) {
-        const f32x16 g = load16(gp + m * 2 * I + i);
-        const i32x16 neg = g < 0.f;
-        const f32x16 e = exp16(neg ? g : -g);  // e^-|g|: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below
-        const f32x16 sigmoid = (neg ? e : splat(1.f)) / (1.f + e);
-        store16(hp + m * I + i, round_bf16(g * sigmoid) * load16(gp + m * 2 * I + I + i));
+      for (int64_t i = 0; i < I; i += kRow) {
+        const Row g = load_row(gp + m * 2 * I + i);
+        const RowMask neg = g < 0.f;  // e = e^-|g|: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below
+        const Row e = exp_lanes<Row, RowMask>(neg ? g : -g);
+        const Row sigmoid = (neg ? e : Row{} + 1.f) / (1.f + e);
+        store_row(hp + m * I + i, round_bf16(g * sigmoid) * load_row(gp + m * 2 * I + I + i));
       }
   });
   return h;
@@ -2340,12 +2373,12 @@ at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t h = 0; h < heads; ++h) {
         const bf16* row = xp + r * W + h * D;
-        for (int64_t d = 0; d < half; d += 16) {
-          const f32x16 lo = load16(row + d), hi = load16(row + half + d);
-          const f32x16 c_lo = load16(cp + r * D + d), c_hi = load16(cp + r * D + half + d);
-          const f32x16 s_lo = load16(sp + r * D + d), s_hi = load16(sp + r * D + half + d);
-          store16(op + (r * heads + h) * D + d, round_bf16(lo * c_lo) - hi * s_lo);
-          store16(op + (r * heads + h) * D + half + d, round_bf16(hi * c_hi) + lo * s_hi);
+        for (int64_t d = 0; d < half; d += kRow) {
+          const Row lo = load_row(row + d), hi = load_row(row + half + d);
+          const Row c_lo = load_row(cp + r * D + d), c_hi = load_row(cp + r * D + half + d);
+          const Row s_lo = load_row(sp + r * D + d), s_hi = load_row(sp + r * D + half + d);
+          store_row(op + (r * heads + h) * D + d, round_bf16(lo * c_lo) - hi * s_lo);
+          store_row(op + (r * heads + h) * D + half + d, round_bf16(hi * c_hi) + lo * s_hi);
         }
       }
   });

@@ -1527,15 +1527,16 @@ inline f32x16 pair_dot(f32x16 acc, u32x16 a, uint32_t x) {
 #endif
 }
 
-// Scores of one run of blocked keys (BlockedKeys) against N query heads q [N, D] bf16, times scale, into s (rows
-// `width` apart): two accumulators a head, so 2N chains of products are in flight.
-template <int N>
-inline void blocked_scores(const bf16* q, int64_t D, const bf16* run, int64_t stride, float scale, float* s,
+// Scores of one run of blocked keys (BlockedKeys) against N query heads q [N, D], times scale, into s (rows `width`
+// apart): two accumulators a head, so 2N chains of products are in flight. Q: bf16, or on AVX2 the query widened to
+// float (its channels broadcast from memory, one instruction each, where a bf16 pair took 7 to split).
+template <int N, typename Q>
+inline void blocked_scores(const Q* q, int64_t D, const bf16* run, int64_t stride, float scale, float* s,
                            int64_t width) {
 #if defined(LEANLM_AVX2)  // 8-float registers by hand: GCC keeps 16-float vectors in memory on AVX2 (~2 GB/s)
+  static_assert(std::is_same_v<Q, float>);
   __m256 a[N][2];  // tokens 0-7 and 8-15 of the run, a head
   for (int g = 0; g < N; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
-  const uint32_t* qw = (const uint32_t*)q;
   const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
   for (int64_t p = 0; p < D / 2; ++p) {  // channels 2p (a word's low half) and 2p + 1 of 16 tokens
     __m256 lo[2], hi[2];
@@ -1545,9 +1546,7 @@ inline void blocked_scores(const bf16* q, int64_t D, const bf16* run, int64_t st
       hi[j] = _mm256_castsi256_ps(_mm256_and_si256(k, high));
     }
     for (int g = 0; g < N; ++g) {
-      const uint32_t x = qw[g * D / 2 + p];
-      const __m256 xl = _mm256_castsi256_ps(_mm256_set1_epi32(int(x << 16)));
-      const __m256 xh = _mm256_castsi256_ps(_mm256_set1_epi32(int(x & 0xffff0000u)));
+      const __m256 xl = _mm256_broadcast_ss(q + g * D + 2 * p), xh = _mm256_broadcast_ss(q + g * D + 2 * p + 1);
       for (int j = 0; j < 2; ++j) a[g][j] = _mm256_fmadd_ps(hi[j], xh, _mm256_fmadd_ps(lo[j], xl, a[g][j]));
     }
   }
@@ -1806,6 +1805,30 @@ inline void weigh_rows(const float* rows, int64_t count, const float* p, float* 
   }
 }
 
+// The value pass over a bf16 pool, its rows read in place: out [NH, D] += p[g][t] row t for NH query heads (p's
+// rows `width` apart), 32 channels at a time in 4 NH accumulators, each row widened once in registers for all NH
+// heads (weigh_rows reads rows widened into memory: three loads an FMA). The same products in the same order.
+template <int NH, int VT>
+inline void weigh_bf16(const bf16* const* row_of, int64_t count, const float* p, int64_t width, float* out) {
+  constexpr int64_t D = 16 * VT;
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m256 o[NH][4];
+    for (int g = 0; g < NH; ++g)
+      for (int j = 0; j < 4; ++j) o[g][j] = _mm256_loadu_ps(out + g * D + d0 + 8 * j);
+    for (int64_t t = 0; t < count; ++t) {
+      __m256 w[NH];
+      for (int g = 0; g < NH; ++g) w[g] = _mm256_broadcast_ss(p + g * width + t);
+      for (int j = 0; j < 4; ++j) {
+        const __m128i x = _mm_loadu_si128((const __m128i*)(row_of[t] + d0 + 8 * j));
+        const __m256 r = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+        for (int g = 0; g < NH; ++g) o[g][j] = _mm256_fmadd_ps(w[g], r, o[g][j]);
+      }
+    }
+    for (int g = 0; g < NH; ++g)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + g * D + d0 + 8 * j, o[g][j]);
+  }
+}
+
 inline __m256 sum8x8(const __m256* a) {  // lane t: the total of a[t]'s 8 lanes
   const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // tokens 0-3: halves
   const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -1843,6 +1866,10 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
   const float scale = 1.f / std::sqrt(float(D));
   if constexpr (!K::kBlocked)  // the rows' key pass reads the query as float vectors; keys by block read q itself
     for (int64_t i = 0; i < heads * G * V; ++i) qv[i] = load16(q + h0 * G * D + i * 16) * scale;
+#if defined(LEANLM_AVX2)
+  else if constexpr (K::kBf16)  // but on AVX2 as floats, unscaled
+    for (int64_t i = 0; i < heads * G * V; ++i) qv[i] = load16(q + h0 * G * D + i * 16);
+#endif
   thread_local std::vector<int16_t> q16;  // int8 keys by block: the query heads rounded to int16, a scale each
   thread_local std::vector<float> qs;
   if constexpr (K::kBlocked && !K::kBf16) {
@@ -1895,7 +1922,11 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
           const auto scores_of = [&](auto heads) {
             constexpr int N = decltype(heads)::value;
             if constexpr (K::kBf16)
+#if defined(LEANLM_AVX2)
+              blocked_scores<N>((const float*)qv + g * D, D, run, keys.stride(), scale, s, width);
+#else
               blocked_scores<N>(q + (h0 * G + g) * D, D, run, keys.stride(), scale, s, width);
+#endif
             else
               blocked_scores<N>(q16.data() + g * D, qs.data() + g, D, run, keys.stride(),
                                 keys.scales16(block, offset, h0 + h), s, width);
@@ -1958,6 +1989,19 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
         if (h == 0) find_slots(c);
         const int64_t count = std::min<int64_t>(16, n - c);
         for (int64_t t = 0; t < next_count; ++t) values.prefetch(next_of[t], h0 + h);
+        if constexpr (Vs::kBf16) {
+          const bf16* row_of[16];
+          for (int64_t t = 0; t < count; ++t) row_of[t] = values.row(slot_of[t], h0 + h);
+          for (int64_t g = h * G; g < (h + 1) * G; g += 3) {
+            const float* p = scores + g * width + c;
+            switch (std::min<int64_t>(3, (h + 1) * G - g)) {
+              case 3: weigh_bf16<3, VT>(row_of, count, p, width, out + g * D); break;
+              case 2: weigh_bf16<2, VT>(row_of, count, p, width, out + g * D); break;
+              default: weigh_bf16<1, VT>(row_of, count, p, width, out + g * D);
+            }
+          }
+          continue;
+        }
         for (int64_t t = 0; t < count; ++t) values.widen(slot_of[t], h0 + h, rowf + t * D);
         for (int64_t g = h * G; g < (h + 1) * G; ++g) weigh_rows<VT>(rowf, count, scores + g * width + c, out + g * D);
       }
@@ -2008,8 +2052,11 @@ void paged_attention_impl(const T* q, const K& keys, const Vs& values, const int
       }
       attend_part<VT>(q + b * H * D, keys, values, tables + b * max_blocks, t0, t1, h0, heads, G, D, bs,
                       m.data() + at, l.data() + at, acc.data() + at * D);
+      if (parts == 1)  // nothing to merge: the item's heads are done (as the merge below writes them)
+        for (int64_t i = (at + h0 * G) * D; i < (at + (h0 + heads) * G) * D; ++i) out[i] = T(acc[i] / l[i / D]);
     }
   });
+  if (parts == 1) return;
   at::parallel_for(0, B * H, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {  // r = b * H + head
       const int64_t b = r / H, head = r % H;

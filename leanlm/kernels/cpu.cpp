@@ -1631,6 +1631,7 @@ template <typename S>
 struct PoolRows {
   static constexpr bool kBf16 = std::is_same_v<S, bf16>;  // rows vdpbf16ps can read in place
   static constexpr bool kBlocked = false, kWidens = true;  // widen(): AVX2's key and value passes
+  static constexpr bool kInPlace = true;                    // AVX2's value pass reads the rows as they are
   const S* base;
   const float* scales;  // int8: [slots, Hkv]; else null
   int64_t Hkv, D;
@@ -1728,6 +1729,7 @@ inline f32x16 nibbles16(const uint8_t* c) {  // 8 bytes of 4-bit codes (channel 
 template <typename T>
 struct Int4Rows {
   static constexpr bool kBf16 = false, kBlocked = false, kWidens = kF16c;  // widen(): float16 scales by F16C
+  static constexpr bool kInPlace = false;
   const uint8_t* codes;
   const uint16_t *scale, *low;
   const T *side, *sink;
@@ -1805,11 +1807,22 @@ inline void weigh_rows(const float* rows, int64_t count, const float* p, float* 
   }
 }
 
-// The value pass over a bf16 pool, its rows read in place: out [NH, D] += p[g][t] row t for NH query heads (p's
-// rows `width` apart), 32 channels at a time in 4 NH accumulators, each row widened once in registers for all NH
-// heads (weigh_rows reads rows widened into memory: three loads an FMA). The same products in the same order.
-template <int NH, int VT>
-inline void weigh_bf16(const bf16* const* row_of, int64_t count, const float* p, int64_t width, float* out) {
+// 8 entries of a pool's row as floats: float, bf16, or int8 codes times the row's scale (as PoolRows::widen)
+inline __m256 widen8(const float* p, __m256) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const bf16* p, __m256) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 widen8(const int8_t* p, __m256 scale) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))), scale);
+}
+
+// The value pass over a pool's rows read in place: out [NH, D] += p[g][t] row t for NH query heads (p's rows
+// `width` apart), 32 channels at a time in 4 NH accumulators, each row widened once in registers for all NH heads
+// (weigh_rows reads rows widened into memory: three loads an FMA). The same products in the same order. scale: the
+// rows' int8 scales, else null.
+template <int NH, int VT, typename S>
+inline void weigh_in_place(const S* const* row_of, const float* scale, int64_t count, const float* p, int64_t width,
+                           float* out) {
   constexpr int64_t D = 16 * VT;
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     __m256 o[NH][4];
@@ -1818,9 +1831,9 @@ inline void weigh_bf16(const bf16* const* row_of, int64_t count, const float* p,
     for (int64_t t = 0; t < count; ++t) {
       __m256 w[NH];
       for (int g = 0; g < NH; ++g) w[g] = _mm256_broadcast_ss(p + g * width + t);
+      const __m256 rs = std::is_same_v<S, int8_t> ? _mm256_broadcast_ss(scale + t) : __m256{};
       for (int j = 0; j < 4; ++j) {
-        const __m128i x = _mm_loadu_si128((const __m128i*)(row_of[t] + d0 + 8 * j));
-        const __m256 r = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+        const __m256 r = widen8(row_of[t] + d0 + 8 * j, rs);
         for (int g = 0; g < NH; ++g) o[g][j] = _mm256_fmadd_ps(w[g], r, o[g][j]);
       }
     }
@@ -1989,15 +2002,20 @@ void attend_part(const T* q, const K& keys, const Vs& values, const int32_t* tab
         if (h == 0) find_slots(c);
         const int64_t count = std::min<int64_t>(16, n - c);
         for (int64_t t = 0; t < next_count; ++t) values.prefetch(next_of[t], h0 + h);
-        if constexpr (Vs::kBf16) {
-          const bf16* row_of[16];
-          for (int64_t t = 0; t < count; ++t) row_of[t] = values.row(slot_of[t], h0 + h);
+        if constexpr (Vs::kInPlace) {
+          const std::remove_pointer_t<decltype(values.base)>* row_of[16];
+          float scale_of[16];
+          for (int64_t t = 0; t < count; ++t) {
+            row_of[t] = values.row(slot_of[t], h0 + h);
+            if (values.scales) scale_of[t] = values.scales[slot_of[t] * values.Hkv + h0 + h];
+          }
+          const float* rs = values.scales ? scale_of : nullptr;
           for (int64_t g = h * G; g < (h + 1) * G; g += 3) {
             const float* p = scores + g * width + c;
             switch (std::min<int64_t>(3, (h + 1) * G - g)) {
-              case 3: weigh_bf16<3, VT>(row_of, count, p, width, out + g * D); break;
-              case 2: weigh_bf16<2, VT>(row_of, count, p, width, out + g * D); break;
-              default: weigh_bf16<1, VT>(row_of, count, p, width, out + g * D);
+              case 3: weigh_in_place<3, VT>(row_of, rs, count, p, width, out + g * D); break;
+              case 2: weigh_in_place<2, VT>(row_of, rs, count, p, width, out + g * D); break;
+              default: weigh_in_place<1, VT>(row_of, rs, count, p, width, out + g * D);
             }
           }
           continue;

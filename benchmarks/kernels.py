@@ -8,9 +8,9 @@ the int8 kernel, AMX tiles, widened codes, packed codes and bf16 weights; W4A16 
 tiles widened into the bf16 packed layout and W4A8's int8-activation product on the codes packed for it; W8A8 at
 1-1024 rows: the kernels on int8 codes (plain and packed) against torch._int_mm and bf16 weights; and bf16 at 1-256
 rows: torch's GEMM, leanlm's bf16_gemm and its product on the packed layout (bf16_packed_gemm), as GFLOP/s and the
-bf16 peak's share.
+bf16 peak's share; and the fused elementwise ops (silu_mul, rms_norm, rope) against the torch ops they replace.
 
-    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pachwiqb]
+    python benchmarks/kernels.py [--threads 2] [--group-size 64] [--sections pachwiqbe]
 
 Weights and KV pools rotate through ~256 MB or more of copies (30 layers' pools) so that every call reads them from
 memory, as decode does.
@@ -321,6 +321,46 @@ def online_hadamard(args) -> None:
     Console(width=150).print(table)
 
 
+def elementwise(ops, args) -> None:
+    """The fused elementwise ops of the eager path (every prefill and mixed step): silu_mul on gate_up_proj's output,
+    rms_norm on the hidden state and rope on the fused q/k/v rows, against the torch ops they replace (layers.py's
+    fallbacks), bf16, on the default model's shapes."""
+    table = Table(title=f"elementwise ops, {args.threads} threads, leanlm's kernels built for {ops.isa()}, bf16, "
+                        "smollm2-135m's shapes: microseconds (torch's ops / leanlm's)")
+    for col in ("rows", "silu_mul (torch)", "silu_mul (leanlm)", "rms_norm (torch)", "rms_norm (leanlm)",
+                "rope (torch)", "rope (leanlm)"):
+        table.add_column(col, justify="right")
+    I, hidden, H, Hkv, D = 1536, 576, 9, 3, 64
+
+    def silu_mul(x):
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def rms_norm(x, w, eps):
+        x32 = x.float()
+        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def rope(qkv, cos, sin, rotated):  # as layers.apply_rope on [rows, heads, D]
+        x = qkv.view(qkv.shape[0], -1, D)[:, :rotated]
+        rot = torch.cat([-x[..., D // 2:], x[..., :D // 2]], dim=-1)
+        return torch.addcmul(x * cos[:, None], rot, sin[:, None])
+
+    for rows in (1, 32, 256):
+        g = torch.Generator().manual_seed(0)
+        gate_up = [(torch.randn(rows, 2 * I, generator=g).bfloat16(),) for _ in range(8)]
+        w = torch.randn(hidden, generator=g).bfloat16()
+        hs = [(torch.randn(rows, hidden, generator=g).bfloat16(), w, 1e-5) for _ in range(8)]
+        cos, sin = torch.randn(rows, D, generator=g).bfloat16(), torch.randn(rows, D, generator=g).bfloat16()
+        qkv = [(torch.randn(rows, (H + 2 * Hkv) * D, generator=g).bfloat16(), cos, sin, H + Hkv) for _ in range(8)]
+        cells = []
+        for ours, theirs, calls in ((ops.silu_mul, silu_mul, gate_up), (ops.rms_norm, rms_norm, hs),
+                                    (ops.rope, rope, qkv)):
+            t_torch, t_ours = seconds(theirs, calls, reps=400), seconds(ours, calls, reps=400)
+            cells += [f"{t_torch * 1e6:.1f}", f"{t_ours * 1e6:.1f} ({t_torch / t_ours:.1f}x)"]
+        table.add_row(str(rows), *cells)
+    Console(width=150).print(table)
+
+
 def int4_rows(ops, args) -> None:
     """W4A16 (groups of --group-size) at the row counts of a decode step of many sequences and of prefill: leanlm's
     int4 kernel (int4_gemv) and its tiles widened into the bf16 packed layout per call (int4_packed_gemm), the same
@@ -390,9 +430,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=64, help="int4 group (K = 576 takes 32 or 64)")
-    ap.add_argument("--sections", default="pachwiqb", help="p: matrix-vector products, a: paged attention, c: "
+    ap.add_argument("--sections", default="pachwiqbe", help="p: matrix-vector products, a: paged attention, c: "
                     "prefill attention, h: the online Hadamard, w: W8A16 at many rows, i: W4A16 at many rows, q: W8A8 "
-                    "at 1-1024 rows, b: bf16 at 1-256 rows (default all)")
+                    "at 1-1024 rows, b: bf16 at 1-256 rows, e: the elementwise ops (default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -412,6 +452,8 @@ def main() -> None:
         w8a8_rows(ops, args)
     if "b" in args.sections:
         bf16_rows(ops, args)
+    if "e" in args.sections:
+        elementwise(ops, args)
 
 
 if __name__ == "__main__":

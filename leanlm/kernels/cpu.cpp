@@ -2406,7 +2406,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor h = at::empty({M, I}, gu.options());
   const bf16* gp = gu.data_ptr<bf16>();
   bf16* hp = h.data_ptr<bf16>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, 16, [gp, hp, I](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t i = 0; i < I; i += kRow) {
         const Row g = load_row(gp + m * 2 * I + i);

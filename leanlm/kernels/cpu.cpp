@@ -1325,13 +1325,16 @@ at::Tensor int4_q8_gemm(const at::Tensor& xq, const at::Tensor& xs, const at::Te
 // Rows are 16-float vectors (GCC vector extensions: AVX-512 here, pairs of AVX2 ops or plain code elsewhere). GCC
 // keeps such vectors in memory on AVX2, which left decode attention at 2 GB/s on Zen 3: there the keys by block,
 // and rows of every pool (float, bf16, int8, int4) widened to floats, go through 8-float intrinsics instead (3.4x;
-// the int4 pool 3.8x: 6.8 -> 1.8 ms a layer at 32 x 384, benchmarks/kernels.py --sections a).
+// the int4 pool 3.8x: 6.8 -> 1.8 ms a layer at 32 x 384, benchmarks/kernels.py --sections a). Their value pass
+// reads the float, bf16 and int8 pools' rows in place, widened in registers for up to three query heads at once
+// (weigh_in_place: 1.2x over widening them into memory first).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 constexpr int64_t kMaxVectors = 256;  // H * D / 16: query heads times a row's 16-float vectors
 constexpr int64_t kMaxRow = 16;       // D / 16: a row of up to 256 values
 constexpr int64_t kMinPart = 64;      // tokens: a sequence's tokens split across threads no finer than this
@@ -2336,7 +2339,6 @@ using RowMask = i32x8;
 inline Row load_row(const bf16* p) {
   return (Row)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 inline u32x8 bf16_bits(Row v) {  // as to_bf16, in the top half of each lane (the bottom half left to clear)
   const u32x8 b = (u32x8)v;
   return b + 0x7FFF + ((b >> 16) & 1);

@@ -1627,6 +1627,17 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
 #endif
 }
 
+#if defined(LEANLM_AVX2)
+// 8 entries of a pool's row as floats: float, bf16, or int8 codes times the row's scale
+inline __m256 widen8(const float* p, __m256) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const bf16* p, __m256) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 widen8(const int8_t* p, __m256 scale) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))), scale);
+}
+#endif
+
 // Where attention reads a token's key or value row of one kv head, as 16-float vectors (load32's order with
 // pairs, for the value pass). PoolRows: the pool's entries [slots, Hkv, D] of S (float, bf16, or int8 codes times a
 // float scale per (slot, kv head)).
@@ -1654,19 +1665,8 @@ struct PoolRows {
 #if defined(LEANLM_AVX2)
   void widen(int64_t slot, int64_t h, float* out) const {  // the row as D floats (D a multiple of 8)
     const S* p = row(slot, h);
-    if constexpr (std::is_same_v<S, float>) {
-      std::memcpy(out, p, D * sizeof(float));
-    } else if constexpr (std::is_same_v<S, bf16>) {
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + d)));
-        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
-      }
-    } else {
-      const __m256 scale = _mm256_set1_ps(scales[slot * Hkv + h]);
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                    _mm_loadl_epi64((const __m128i*)(p + d)))), scale));
-    }
+    const __m256 scale = scales ? _mm256_set1_ps(scales[slot * Hkv + h]) : __m256{};
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, widen8(p + d, scale));
   }
 #endif
 };
@@ -1808,15 +1808,6 @@ inline void weigh_rows(const float* rows, int64_t count, const float* p, float* 
     }
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + d0 + 8 * j, o[j]);
   }
-}
-
-// 8 entries of a pool's row as floats: float, bf16, or int8 codes times the row's scale (as PoolRows::widen)
-inline __m256 widen8(const float* p, __m256) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const bf16* p, __m256) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline __m256 widen8(const int8_t* p, __m256 scale) {
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))), scale);
 }
 
 // The value pass over a pool's rows read in place: out [NH, D] += p[g][t] row t for NH query heads (p's rows

@@ -32,6 +32,7 @@ from leanlm.cache.paged import put
 from leanlm.lowbit.hadamard import OnlineRotation
 from leanlm.lowbit.linear import pack_int4
 from leanlm.models.config import ModelConfig
+from leanlm.models.layers import apply_rope
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
           "lm_head": (49152, 576)}  # SmolLM2-135M, [N, K]
@@ -340,10 +341,9 @@ def elementwise(ops, args) -> None:
         x32 = x.float()
         return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    def rope(qkv, cos, sin, rotated):  # as layers.apply_rope on [rows, heads, D]
-        x = qkv.view(qkv.shape[0], -1, D)[:, :rotated]
-        rot = torch.cat([-x[..., D // 2:], x[..., :D // 2]], dim=-1)
-        return torch.addcmul(x * cos[:, None], rot, sin[:, None])
+    def rope(qkv, cos, sin, rotated):  # as Attention.forward calls it, one sequence of `rows` tokens
+        rows = qkv.shape[0]
+        return apply_rope(qkv.view(1, rows, -1, D)[:, :, :rotated], cos.view(1, rows, 1, D), sin.view(1, rows, 1, D))
 
     for rows in (1, 32, 256):
         g = torch.Generator().manual_seed(0)

@@ -148,6 +148,21 @@ constexpr int64_t kChunk = 4096;  // as above: 8 lanes, two chains, |sum| < 2 * 
 inline __m256 bf16x8(const bf16* p) {  // 8 bf16 -> float32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+inline void to_float(const bf16* x, int64_t n, float* out) {  // n bf16 -> float32
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, bf16x8(x + i));
+  for (; i < n; ++i) out[i] = float(x[i]);
+}
+inline __m256i bf16_bits(__m256 v) {  // rounded to nearest even as bf16(float), in the top half of each lane
+  const __m256i b = _mm256_castps_si256(v);  // (the bottom half left to clear)
+  return _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)),
+                          _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)));
+}
+inline void store_out(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store_out(bf16* p, __m256 v) {
+  const __m256i h = _mm256_srli_epi32(bf16_bits(v), 16);  // at most 0xFFFF: packs exactly
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xd8)));
+}
 
 inline __m256i pair(const int16_t* p) {  // broadcast two adjacent int16 to every 32-bit lane
   int32_t v;
@@ -674,6 +689,9 @@ std::string bf16_isa() { return LEANLM_BF16_DOT; }
 // torch's large GEMMs reach) against torch's 186 there, and 40 GB/s of weights at one row against its 10
 // (benchmarks/kernels.py --sections b).
 constexpr int64_t kPackRows = 8, kPackTiles = 3;  // rows of x and tiles of 16 columns a block
+// AVX2's bf16 product: rows of x a block of tiles serves in turn, in tiles of 5 or 6 (packed_rows); 12, 32 and 48
+// the same within noise (Zen 3, a model's projections at 8-256 rows)
+constexpr int64_t kAvx2Rows = 32;
 
 // A packed product's dispatch table: kBlocks<Blocks, R>[m - 1][n - 1] is Blocks::at<m, n>, its register block of
 // m rows of x by n tiles of 16 columns, for m <= R and n <= kPackTiles (a product picks the shape at run time).
@@ -736,40 +754,44 @@ struct PackedBf16 {
 #endif
 
 #if defined(LEANLM_AVX2)
-// Without a bf16 dot product (AVX2): R rows of x, widened to float, by one tile of 16 columns; a 32-byte load is
-// 8 columns' pair of weights k, k + 1, split into two float vectors by a shift and a mask, each used R times against
-// x's k or k + 1 broadcast (8 accumulators at R = 4 of AVX2's 16 registers; no horizontal sums). The tile's bytes
-// are asked for 4 KiB ahead. A row's sums run in the same order at any R.
+// Without a bf16 dot product (AVX2): R (<= 6) rows of x, widened to float, by one tile of 16 columns; a 32-byte load
+// is 8 columns' pair of weights k, k + 1, split into two float vectors by a shift (k) and a mask (k + 1). Weights k
+// go to all R rows, then weights k + 1 (loaded again: 12 accumulators, the two halves and x's broadcast fill the 16
+// registers), so each accumulator's two dependent FMAs a pair of k are spread over 12 others: at R = 4 (8
+// accumulators, both halves at once) the FMAs waited on their own latency (4 cycles on Zen 3). The tile's bytes are
+// asked for 4 KiB ahead. A row's sums run in the same order at any R.
 template <int R, typename Out>
 void packed_tile(const float* x, int64_t K, const bf16* w, Out* y, int64_t N) {
-  // unrolled by hand (pragmas): GCC's own heuristics stored the 8 accumulators to the stack on every pair of k
-  // (perf annotate), 55 -> 70 GFLOP/s on one Zen 3 core at 256 rows
+  // unrolled by hand (pragmas): GCC's own heuristics stored the accumulators to the stack on every pair of k
   __m256 acc[R][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
   for (int64_t k = 0; k < K; k += 2) {
-    prefetch(w + k * 16);  // one cache line a pair of k
-    __m256 lo[2], hi[2];   // columns 0-7 and 8-15: weights k (lo) and k + 1 (hi)
+    const bf16* wk = w + k * 16;
+    prefetch(wk);  // one cache line a pair of k
+    __m256 half[2];  // columns 0-7 and 8-15: weights k, then k + 1
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + k * 16 + h * 16));
-      lo[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      hi[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-    }
-#pragma GCC unroll 4
+    for (int h = 0; h < 2; ++h)
+      half[h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(wk + h * 16)), 16));
+#pragma GCC unroll 6
     for (int m = 0; m < R; ++m) {
-      const __m256 a = _mm256_broadcast_ss(x + m * K + k), b = _mm256_broadcast_ss(x + m * K + k + 1);
-      for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(b, hi[h], _mm256_fmadd_ps(a, lo[h], acc[m][h]));
+      const __m256 a = _mm256_broadcast_ss(x + m * K + k);
+      for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(a, half[h], acc[m][h]);
+    }
+    asm("" : "+r"(wk));  // load the pair again rather than hold it in two registers through the first half
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h)
+      half[h] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(wk + h * 16)), high));
+#pragma GCC unroll 6
+    for (int m = 0; m < R; ++m) {
+      const __m256 b = _mm256_broadcast_ss(x + m * K + k + 1);
+      for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(b, half[h], acc[m][h]);
     }
   }
-#pragma GCC unroll 4
-  for (int m = 0; m < R; ++m) {
-    float f[16];
-    _mm256_storeu_ps(f, acc[m][0]);
-    _mm256_storeu_ps(f + 8, acc[m][1]);
-    for (int i = 0; i < 16; ++i) y[m * N + i] = Out(f[i]);
-  }
+#pragma GCC unroll 6
+  for (int m = 0; m < R; ++m)
+    for (int h = 0; h < 2; ++h) store_out(y + m * N + 8 * h, acc[m][h]);
 }
 
 template <typename Out>
@@ -779,8 +801,23 @@ struct PackedTile {
 };
 #endif
 
-// mb (<= kPackRows) rows of x [mb, K] against nb (<= kPackTiles) tiles of a packed weight (w: the first; tiles ws
-// elements apart, 16 K in a weight of K columns), into y's columns (float32, or rounded to bf16 once)
+#if defined(LEANLM_AVX2)
+// mb rows of x, widened to float, against nb tiles of a packed weight, as packed_rows below: tiles of up to 6 rows,
+// as even as they go (8 rows as 4 + 4, not 6 + 2: the FMAs of fewer than 5 rows wait on their latency)
+template <typename Out>
+void packed_rows(const float* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N, int64_t mb, int64_t nb) {
+  const int64_t tiles = (mb + 5) / 6;
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+      const int64_t r = mb / tiles + (i < mb % tiles);
+      kTiles<PackedTile<Out>, 6>[r - 1](x + m0 * K, K, w + j * ws, y + m0 * N + 16 * j, N);
+      m0 += r;
+    }
+}
+#endif
+
+// mb (<= kPackRows; any on AVX2) rows of x [mb, K] against nb (<= kPackTiles) tiles of a packed weight (w: the
+// first; tiles ws elements apart, 16 K in a weight of K columns), into y's columns (float32, or rounded to bf16 once)
 template <typename Out>
 void packed_rows(const bf16* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N, int64_t mb, int64_t nb) {
 #if defined(LEANLM_AVX512) && defined(__AVX512BF16__)
@@ -788,14 +825,8 @@ void packed_rows(const bf16* x, int64_t K, const bf16* w, int64_t ws, Out* y, in
 #elif defined(LEANLM_AVX2)
   thread_local std::vector<float> xf;  // the rows widened once, for every tile
   xf.resize(mb * K);
-  int64_t i = 0;
-  for (; i + 8 <= mb * K; i += 8) _mm256_storeu_ps(xf.data() + i, bf16x8(x + i));
-  for (; i < mb * K; ++i) xf[i] = float(x[i]);
-  for (int64_t j = 0; j < nb; ++j)
-    for (int64_t m0 = 0; m0 < mb; m0 += 4) {
-      const auto tile = kTiles<PackedTile<Out>>[std::min<int64_t>(4, mb - m0) - 1];
-      tile(xf.data() + m0 * K, K, w + j * ws, y + m0 * N + 16 * j, N);
-    }
+  to_float(x, mb * K, xf.data());
+  packed_rows(xf.data(), K, w, ws, y, N, mb, nb);
 #else
   for (int64_t m = 0; m < mb; ++m)
     for (int64_t n = 0; n < nb * 16; ++n) {
@@ -830,8 +861,17 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty({M, N}, x.options());
   const bf16 *xp = xc.data_ptr<bf16>(), *wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
-  packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
-    packed_rows(xp + m0 * K, K, wp + t * 16 * K, 16 * K, yp + m0 * N + t * 16, N, mb, nb);
+#if defined(LEANLM_AVX2)
+  std::vector<float> xf(M * K);  // widened once, not for every block of tiles
+  to_float(xp, M * K, xf.data());
+  const float* xr = xf.data();
+  const int64_t rows = kAvx2Rows;
+#else
+  const bf16* xr = xp;
+  const int64_t rows = kPackRows;
+#endif
+  packed_split(N / 16, M, rows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
+    packed_rows(xr + m0 * K, K, wp + t * 16 * K, 16 * K, yp + m0 * N + t * 16, N, mb, nb);
   });
   return y;
 }
@@ -2327,18 +2367,9 @@ inline f32x16 round_bf16(f32x16 v) {  // v rounded to bf16 and back
 #if defined(LEANLM_AVX2)
 using Row = f32x8;
 using RowMask = i32x8;
-inline Row load_row(const bf16* p) {
-  return (Row)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline u32x8 bf16_bits(Row v) {  // as to_bf16, in the top half of each lane (the bottom half left to clear)
-  const u32x8 b = (u32x8)v;
-  return b + 0x7FFF + ((b >> 16) & 1);
-}
-inline void store_row(bf16* p, Row v) {
-  const __m256i h = _mm256_srli_epi32((__m256i)bf16_bits(v), 16);  // at most 0xFFFF: packs exactly
-  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xd8)));
-}
-inline Row round_bf16(Row v) { return (Row)(bf16_bits(v) & 0xffff0000u); }
+inline Row load_row(const bf16* p) { return (Row)bf16x8(p); }
+inline void store_row(bf16* p, Row v) { store_out(p, (__m256)v); }
+inline Row round_bf16(Row v) { return (Row)((u32x8)bf16_bits((__m256)v) & 0xffff0000u); }
 #else
 using Row = f32x16;
 using RowMask = i32x16;

@@ -92,7 +92,7 @@ def test_bf16_gemm_matches_float(ops, N, K, M):
 
 
 @pytest.mark.parametrize("N, K", [(16, 2), (80, 200), (48, 576), (32, 1536)])  # 1, 5, 3 and 2 tiles of 16 columns
-@pytest.mark.parametrize("M", [1, 3, 8, 19])  # 19: blocks of 8, 8 and 3 rows
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 19])  # 19: blocks of 8, 8 and 3 rows; 1-2: AVX2's tiles of 3 at once
 def test_bf16_packed_gemm_matches_float(ops, N, K, M):
     g = torch.Generator().manual_seed(N * M + K)
     w = torch.randn(N, K, generator=g).bfloat16()
@@ -103,6 +103,8 @@ def test_bf16_packed_gemm_matches_float(ops, N, K, M):
     y = ops.bf16_packed_gemm(x, packed)
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
     assert _rel(y, (x.double() @ w.double().T).float()) < 2 ** -8  # float32 sums, one rounding to bf16
+    for i in range(M):  # a row alone gets its bits in the batch: its sums in the same order at any number of rows
+        assert torch.equal(ops.bf16_packed_gemm(x[i:i + 1], packed), y[i:i + 1])
 
 
 def test_bf16_packed_gemm_bad_arguments(ops):

@@ -754,63 +754,78 @@ struct PackedBf16 {
 #endif
 
 #if defined(LEANLM_AVX2)
-// Without a bf16 dot product (AVX2): R (<= 6) rows of x, widened to float, by one tile of 16 columns; a 32-byte load
-// is 8 columns' pair of weights k, k + 1, split into two float vectors by a shift (k) and a mask (k + 1). Weights k
-// go to all R rows, then weights k + 1 (loaded again: 12 accumulators, the two halves and x's broadcast fill the 16
-// registers), so each accumulator's two dependent FMAs a pair of k are spread over 12 others: at R = 4 (8
-// accumulators, both halves at once) the FMAs waited on their own latency (4 cycles on Zen 3). The tile's bytes are
-// asked for 4 KiB ahead. A row's sums run in the same order at any R.
-template <int R, typename Out>
-void packed_tile(const float* x, int64_t K, const bf16* w, Out* y, int64_t N) {
+// Without a bf16 dot product (AVX2): R rows of x, widened to float, by NT tiles of 16 columns (w: the first, tiles ws
+// elements apart); a 32-byte load is 8 columns' pair of weights k, k + 1, split into two float vectors by a shift
+// (k) and a mask (k + 1). Weights k go to all R rows, then weights k + 1 (loaded again), so each accumulator's two
+// dependent FMAs a pair of k are spread over the others: R x NT x 2 accumulators, 12 at 6 rows by one tile (the two
+// halves and x's broadcast fill the 16 registers) or 2 rows by 3 tiles (x's broadcasts held, a half at a time). At 4
+// rows by one tile, both halves at once, the FMAs waited on their own latency (4 cycles on Zen 3); at one row by one
+// tile they read a tile at ~12 GB/s. The tiles' bytes are asked for 4 KiB ahead. A row's sums run in the same order
+// at any R and NT.
+template <int R, int NT, typename Out>
+void packed_tile(const float* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N) {
   // unrolled by hand (pragmas): GCC's own heuristics stored the accumulators to the stack on every pair of k
-  __m256 acc[R][2];
+  __m256 acc[R][NT][2];
 #pragma GCC unroll 6
-  for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
   for (int64_t k = 0; k < K; k += 2) {
     const bf16* wk = w + k * 16;
-    prefetch(wk);  // one cache line a pair of k
-    __m256 half[2];  // columns 0-7 and 8-15: weights k, then k + 1
+    for (int j = 0; j < NT; ++j) prefetch(wk + j * ws);  // one cache line a tile and pair of k
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h)
-      half[h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(wk + h * 16)), 16));
+    for (int p = 0; p < 2; ++p) {  // weights k, then k + 1
+      auto half = [&](int j, int h) {  // columns 8 h .. 8 h + 7 of tile j
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wk + j * ws + h * 16));
+        // weights k + 1 by two shifts where the mask would cost a register: 2 rows by 3 tiles kept 4 of their 12
+        // accumulators on the stack
+        const __m256i odd = NT == 1 ? _mm256_and_si256(v, high) : _mm256_slli_epi32(_mm256_srli_epi32(v, 16), 16);
+        return _mm256_castsi256_ps(p ? odd : _mm256_slli_epi32(v, 16));
+      };
+      if constexpr (NT == 1) {
+        const __m256 w0 = half(0, 0), w1 = half(0, 1);
 #pragma GCC unroll 6
-    for (int m = 0; m < R; ++m) {
-      const __m256 a = _mm256_broadcast_ss(x + m * K + k);
-      for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(a, half[h], acc[m][h]);
-    }
-    asm("" : "+r"(wk));  // load the pair again rather than hold it in two registers through the first half
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h)
-      half[h] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(wk + h * 16)), high));
-#pragma GCC unroll 6
-    for (int m = 0; m < R; ++m) {
-      const __m256 b = _mm256_broadcast_ss(x + m * K + k + 1);
-      for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(b, half[h], acc[m][h]);
+        for (int m = 0; m < R; ++m) {
+          const __m256 a = _mm256_broadcast_ss(x + m * K + k + p);
+          acc[m][0][0] = _mm256_fmadd_ps(a, w0, acc[m][0][0]);
+          acc[m][0][1] = _mm256_fmadd_ps(a, w1, acc[m][0][1]);
+        }
+      } else {
+        __m256 a[R];
+        for (int m = 0; m < R; ++m) a[m] = _mm256_broadcast_ss(x + m * K + k + p);
+#pragma GCC unroll 3
+        for (int j = 0; j < NT; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const __m256 wv = half(j, h);
+            for (int m = 0; m < R; ++m) acc[m][j][h] = _mm256_fmadd_ps(a[m], wv, acc[m][j][h]);
+          }
+      }
+      asm("" : "+r"(wk));  // load the pair again rather than hold it in registers through the first half
     }
   }
 #pragma GCC unroll 6
   for (int m = 0; m < R; ++m)
-    for (int h = 0; h < 2; ++h) store_out(y + m * N + 8 * h, acc[m][h]);
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < 2; ++h) store_out(y + m * N + 16 * j + 8 * h, acc[m][j][h]);
 }
 
 template <typename Out>
 struct PackedTile {
-  template <int R>
-  static constexpr auto at = packed_tile<R, Out>;
+  template <int R, int NT = 1>
+  static constexpr auto at = packed_tile<R, NT, Out>;
 };
-#endif
 
-#if defined(LEANLM_AVX2)
-// mb rows of x, widened to float, against nb tiles of a packed weight, as packed_rows below: tiles of up to 6 rows,
-// as even as they go (8 rows as 4 + 4, not 6 + 2: the FMAs of fewer than 5 rows wait on their latency)
+// mb rows of x, widened to float, against nb tiles of a packed weight, as packed_rows below: one or two rows against
+// every tile at once, more in tiles of up to 6 rows by one tile, as even as they go (8 rows as 4 + 4, not 6 + 2:
+// the FMAs of fewer than 5 rows wait on their latency). 3 and 4 rows as tiles of 2 by every tile were slower.
 template <typename Out>
 void packed_rows(const float* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N, int64_t mb, int64_t nb) {
+  if (mb <= 2) return kBlocks<PackedTile<Out>, 2>[mb - 1][nb - 1](x, K, w, ws, y, N);
   const int64_t tiles = (mb + 5) / 6;
   for (int64_t j = 0; j < nb; ++j)
     for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
       const int64_t r = mb / tiles + (i < mb % tiles);
-      kTiles<PackedTile<Out>, 6>[r - 1](x + m0 * K, K, w + j * ws, y + m0 * N + 16 * j, N);
+      kTiles<PackedTile<Out>, 6>[r - 1](x + m0 * K, K, w + j * ws, ws, y + m0 * N + 16 * j, N);
       m0 += r;
     }
 }

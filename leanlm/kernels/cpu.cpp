@@ -556,7 +556,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     for (int64_t t = t0; t < t1; t += 4)
       for (int64_t m0 = 0; m0 < M; m0 += kInt4Rows)
         kInt4[std::min(kInt4Rows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, xs + m0 * G, K,
-                                          r.Kp, wp, sp, zp, g, yp + m0 * N, N, t, std::min(t + 4, t1));
+                                           r.Kp, wp, sp, zp, g, yp + m0 * N, N, t, std::min(t + 4, t1));
 #else
     for (int64_t n = t0 * 16; n < t1 * 16; ++n)
       for (int64_t m = 0; m < M; ++m) {
@@ -696,7 +696,7 @@ std::string bf16_isa() { return LEANLM_BF16_DOT; }
 // torch's large GEMMs reach) against torch's 186 there, and 40 GB/s of weights at one row against its 10
 // (benchmarks/kernels.py --sections b).
 constexpr int64_t kPackRows = 8, kPackTiles = 3;  // rows of x and tiles of 16 columns a block
-// AVX2's bf16 product: rows of x a block of tiles serves in turn, in tiles of 5 or 6 (packed_rows); 12, 32 and 48
+// AVX2's bf16 product: rows of x a block of tiles serves in turn, in tiles of up to 6 (packed_rows); 12, 32 and 48
 // the same within noise (Zen 3, a model's projections at 8-256 rows)
 constexpr int64_t kAvx2Rows = 32;
 
@@ -767,7 +767,7 @@ struct PackedBf16 {
 // dependent FMAs a pair of k are spread over the others: R x NT x 2 accumulators, 12 at 6 rows by one tile (the two
 // halves and x's broadcast fill the 16 registers) or 2 rows by 3 tiles (x's broadcasts held, a half at a time). At 4
 // rows by one tile, both halves at once, the FMAs waited on their own latency (4 cycles on Zen 3); at one row by one
-// tile they read a tile at ~12 GB/s. The tiles' bytes are asked for 4 KiB ahead. A row's sums run in the same order
+// tile they read it at 13-15 GB/s. The tiles' bytes are asked for 4 KiB ahead. A row's sums run in the same order
 // at any R and NT.
 template <int R, int NT, typename Out>
 void packed_tile(const float* x, int64_t K, const bf16* w, int64_t ws, Out* y, int64_t N) {

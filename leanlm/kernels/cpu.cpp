@@ -1692,9 +1692,7 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
 #if defined(LEANLM_AVX2)
 // 8 entries of a pool's row as floats: float, bf16, or int8 codes times the row's scale
 inline __m256 widen8(const float* p, __m256) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const bf16* p, __m256) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
+inline __m256 widen8(const bf16* p, __m256) { return bf16x8(p); }
 inline __m256 widen8(const int8_t* p, __m256 scale) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))), scale);
 }

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from leanlm.kernels import SOURCES, HEADER, cache_dir
+from leanlm.kernels import SOURCES, HEADER, _cpu_tag, cache_dir
 from leanlm.lowbit.linear import pack_int4
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # SmolLM2-135M
 
 
 def build(rev: str):
-    """The kernels as revision `rev` wrote them, built once (cached by commit) into torch.ops.leanlm_ab_<commit>."""
+    """The kernels as revision `rev` wrote them, built once per commit and CPU into torch.ops.leanlm_ab_<commit>."""
     from torch.utils.cpp_extension import load
 
     sha = subprocess.check_output(["git", "rev-parse", "--short=8", rev], text=True, cwd=REPO).strip()
@@ -43,7 +43,7 @@ def build(rev: str):
                 continue  # a source that revision did not have yet
             (Path(src) / f.name).write_text(text)
             sources += [str(Path(src) / f.name)] if f.suffix == ".cpp" else []
-        directory = cache_dir() / "kernels_ab" / sha
+        directory = cache_dir() / "kernels_ab" / f"{sha}_{_cpu_tag()}"  # -march=native: one build per CPU, as kernels
         directory.mkdir(parents=True, exist_ok=True)
         load(name=name, sources=sources, extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DLEANLM_NS={name}"],
              extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False)

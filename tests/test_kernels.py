@@ -145,7 +145,7 @@ def _int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("N, K", [(16, 4), (80, 200), (48, 576), (32, 1536)])  # K 576 and 1536: 3 and 6 chunks
-@pytest.mark.parametrize("M", [1, 3, 8, 19])
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 19, 37])  # AVX2: tiles of 1-5 rows; 37 crosses a block of 32
 def test_w8a16_packed_gemm_sums_the_int16_rows_exactly(ops, N, K, M):
     """AVX-512 and AVX2: x rounded to int16 per row (as int8_gemv), exact int32 sums over each 256 columns, added in
     float32, times x's and the weight's scales: that formula's bits in torch, in float32 and rounded to bf16 once, and

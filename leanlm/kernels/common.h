@@ -45,6 +45,15 @@ namespace {
 using bf16 = c10::BFloat16;
 constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weights (their accumulators stay in registers)
 
+// A kernel's dispatch table by rows of x: kTiles<Tiles, R>[m - 1] is Tiles::at<m>, for m <= R (a kernel's loops are
+// unrolled over its rows, whose count is picked at run time)
+template <typename Tiles, size_t... M>
+constexpr auto tile_table(std::index_sequence<M...>) {
+  return std::array{Tiles::template at<int(M) + 1>...};
+}
+template <typename Tiles, int64_t R>
+constexpr auto kTiles = tile_table<Tiles>(std::make_index_sequence<R>());
+
 // The rows of x as float32 (any float dtype, any strides), and for the vector loops also as int16 with a scale
 // per row, zero-padded to Kp (a multiple of 64: sparse.cpp reads 64 a step). Plain loops: a tensor op costs
 // microseconds, ~120 per step. The buffers are kept per thread and reused, as a decode step makes ~120 products

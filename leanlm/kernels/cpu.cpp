@@ -250,15 +250,14 @@ void int4_tiles(const int16_t* xq, const float* xs, const float* xsum, int64_t K
 
 #ifdef LEANLM_SIMD
 template <typename S>  // the weight scales' type: bf16 (W8A16) or float (W8A8)
-using Int8Rows = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const S*, float*, int64_t,
-                          int64_t, int64_t);
-template <typename S>
-constexpr Int8Rows<S> kInt8[] = {nullptr,         int8_rows<1, S>, int8_rows<2, S>, int8_rows<3, S>, int8_rows<4, S>,
-                                 int8_rows<5, S>, int8_rows<6, S>, int8_rows<7, S>, int8_rows<8, S>};
-using Int4Tiles = void (*)(const int16_t*, const float*, const float*, int64_t, int64_t, const uint8_t*,
-                           const bf16*, const bf16*, int64_t, float*, int64_t, int64_t, int64_t);
-constexpr Int4Tiles kInt4[] = {nullptr,       int4_tiles<1>, int4_tiles<2>, int4_tiles<3>, int4_tiles<4>,
-                               int4_tiles<5>, int4_tiles<6>, int4_tiles<7>, int4_tiles<8>};
+struct Int8Rows {
+  template <int M>
+  static constexpr auto at = int8_rows<M, S>;
+};
+struct Int4Tiles {
+  template <int M>
+  static constexpr auto at = int4_tiles<M>;
+};
 #ifdef LEANLM_AVX2
 // rows a pass: at 8 the 16 accumulators and the codes overflowed AVX2's 16 registers; 4 rows a pass were 1.13-1.17x
 // faster at 8-64 rows than 8 (5 and 6 in between; Zen 3, 2 threads, 30 layers' gate_up_proj and down_proj)
@@ -284,8 +283,8 @@ void int8_product(const Rows& r, const at::Tensor& w, const S* sp, at::Tensor& y
 #ifdef LEANLM_SIMD
     for (int64_t t = n0; t < n1; t += 64)  // 64 weight rows stay in cache while each block of x rows uses them
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-        kInt8<S>[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp, sp, yp + m0 * N, N, t,
-                                             std::min(t + 64, n1));
+        kTiles<Int8Rows<S>, kMaxRows>[std::min(kMaxRows, M - m0) - 1](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp, sp,
+                                                                      yp + m0 * N, N, t, std::min(t + 64, n1));
 #else
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
@@ -555,8 +554,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 #ifdef LEANLM_SIMD
     for (int64_t t = t0; t < t1; t += 4)
       for (int64_t m0 = 0; m0 < M; m0 += kInt4Rows)
-        kInt4[std::min(kInt4Rows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, xs + m0 * G, K,
-                                           r.Kp, wp, sp, zp, g, yp + m0 * N, N, t, std::min(t + 4, t1));
+        kTiles<Int4Tiles, kInt4Rows>[std::min(kInt4Rows, M - m0) - 1](r.q + m0 * r.Kp, r.scale + m0, xs + m0 * G, K,
+                                                                      r.Kp, wp, sp, zp, g, yp + m0 * N, N, t,
+                                                                      std::min(t + 4, t1));
 #else
     for (int64_t n = t0 * 16; n < t1 * 16; ++n)
       for (int64_t m = 0; m < M; ++m) {
@@ -712,13 +712,6 @@ constexpr auto block_table(std::index_sequence<M...>) {
 }
 template <typename Blocks, int64_t R = kPackRows>
 constexpr auto kBlocks = block_table<Blocks>(std::make_index_sequence<R>());
-// AVX2's table (16 registers: a few rows by one tile): kTiles<Tiles, R>[m - 1] is Tiles::at<m>, for m <= R rows of x
-template <typename Tiles, size_t... M>
-constexpr auto tile_table(std::index_sequence<M...>) {
-  return std::array{Tiles::template at<int(M) + 1>...};
-}
-template <typename Tiles, int64_t R = 4>
-constexpr auto kTiles = tile_table<Tiles>(std::make_index_sequence<R>());
 // mb rows as tiles of up to R rows, as even as they go (8 rows as 4 + 4, not 6 + 2: fewer rows leave AVX2's FMAs
 // waiting on their latency): tile(m, rows) for each, m its first row
 template <int64_t R, typename Tile>
@@ -1076,7 +1069,7 @@ void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, con
     for (int64_t n = t * 16; n < (t + nb) * 16; n += whole ? 16 : 8)  // the tile's quads hold columns n % 16 at 4 n
       for (int64_t m = m0; m < m0 + mb; m += 4) {
         const auto tile = whole ? kTiles<Q8Halves<2, Out>, 2>[mb - 1]
-                                : kTiles<Q8Halves<1, Out>>[std::min<int64_t>(4, m0 + mb - m) - 1];
+                                : kTiles<Q8Halves<1, Out>, 4>[std::min<int64_t>(4, m0 + mb - m) - 1];
         tile(x16.data() + m * K, xsum.data() + m, xs + m, K, wp + n / 16 * 16 * K + n % 16 * 4, scale + n,
              yp + m * N + n, N);
       }

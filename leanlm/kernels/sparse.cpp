@@ -182,10 +182,10 @@ void rows24(const int16_t* xq, const float* xs, int64_t K, int64_t Kp, const int
 #endif
 
 #ifdef LEANLM24_SIMD
-using Rows24 = void (*)(const int16_t*, const float*, int64_t, int64_t, const int8_t*, const uint8_t*, const bf16*,
-                        float*, int64_t, int64_t, int64_t);
-constexpr Rows24 kRows24[] = {nullptr,   rows24<1>, rows24<2>, rows24<3>, rows24<4>,
-                              rows24<5>, rows24<6>, rows24<7>, rows24<8>};
+struct Rows24 {
+  template <int M>
+  static constexpr auto at = rows24<M>;
+};
 #endif
 
 at::Tensor int8_24_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& masks,
@@ -212,8 +212,8 @@ at::Tensor int8_24_gemv(const at::Tensor& x, const at::Tensor& values, const at:
 #ifdef LEANLM24_SIMD
     for (int64_t t = n0; t < n1; t += 64)  // 64 weight rows stay in cache while each block of x rows uses them
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-        kRows24[std::min(kMaxRows, M - m0)](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, vp, mp, sp, yp + m0 * N, N, t,
-                                            std::min(t + 64, n1));
+        kTiles<Rows24, kMaxRows>[std::min(kMaxRows, M - m0) - 1](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, vp, mp, sp,
+                                                                 yp + m0 * N, N, t, std::min(t + 64, n1));
 #else
     const int64_t Kv = K / 2, Km = (K + 7) / 8;
     std::vector<float> acc(M);

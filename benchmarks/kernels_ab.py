@@ -5,7 +5,7 @@ on packed int8 codes (w8a16_packed_gemm, int8_packed_gemm: the same 120) and W4A
 layers' gate_up_proj and down_proj); the outputs must be the same bits. On a shared VM whose speed
 moves by 1.5x between runs, the ratio within one run is the number to trust.
 
-    python benchmarks/kernels_ab.py eb751a4 HEAD [--rows 1,2,4,8,16,32,64,256] [--rounds 15] [--threads 2]\
+    python benchmarks/kernels_ab.py eb751a4 HEAD [--rows 1,2,4,8,16,32,64,256] [--rounds 15] [--threads 2]
         [--products bf16,w8a16,w8a8,int4]
 """
 

@@ -717,7 +717,11 @@ constexpr auto kBlocks = block_table<Blocks>(std::make_index_sequence<R>());
 template <int64_t R, typename Tile>
 void even_tiles(int64_t mb, const Tile& tile) {
   const int64_t tiles = (mb + R - 1) / R;
-  for (int64_t i = 0, m = 0; i < tiles; m += mb / tiles + (i < mb % tiles), ++i) tile(m, mb / tiles + (i < mb % tiles));
+  for (int64_t i = 0, m = 0; i < tiles; ++i) {
+    const int64_t rows = mb / tiles + (i < mb % tiles);
+    tile(m, rows);
+    m += rows;
+  }
 }
 
 #ifdef LEANLM_AVX512
@@ -1211,7 +1215,7 @@ void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale,
 #ifdef LEANLM_AVX512
   const int64_t rows = kPackRows;
 #else
-  const int64_t rows = kAvx2Rows;  // in tiles of up to 6 (even_tiles)
+  const int64_t rows = kAvx2Rows;  // in tiles of up to 5 (even_tiles)
 #endif
   packed_split(N / 16, M, rows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
@@ -1219,9 +1223,9 @@ void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale,
                                            scale + t * 16, yp + m0 * N + t * 16, N);
 #elif defined(LEANLM_AVX2)
     for (int64_t j = t; j < t + nb; ++j)
-      even_tiles<5>(mb, [&](int64_t m, int64_t rows) {
-        kTiles<W8Tile<Out>, 5>[rows - 1](r.q + (m0 + m) * r.Kp, r.scale + m0 + m, K, r.Kp, wp + j * 16 * K,
-                                         scale + j * 16, yp + (m0 + m) * N + j * 16, N);
+      even_tiles<5>(mb, [&](int64_t m, int64_t tile_rows) {
+        kTiles<W8Tile<Out>, 5>[tile_rows - 1](r.q + (m0 + m) * r.Kp, r.scale + m0 + m, K, r.Kp, wp + j * 16 * K,
+                                              scale + j * 16, yp + (m0 + m) * N + j * 16, N);
       });
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)

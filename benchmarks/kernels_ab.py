@@ -71,12 +71,11 @@ def main() -> None:
     scales = [(torch.rand(c.shape[0]) / 100).bfloat16() for c in codes[:4]] * 30
     w8 = [(pack_pairs(c), s, c.shape[1]) for c, s in zip(codes, scales)]
     q8 = [(pack_int8(c), s.float(), c.shape[1]) for c, s in zip(codes, scales)]
-    bf16_out = torch.bfloat16
     products = {"bf16": ("bf16_packed_gemm", bf16, lambda o, x, w: o.bf16_packed_gemm(x[w[1]], w[0])),
                 "w8a16": ("w8a16_packed_gemm", w8,
-                          lambda o, x, w: o.w8a16_packed_gemm(x[w[2]], w[0], w[1], bf16_out)),
+                          lambda o, x, w: o.w8a16_packed_gemm(x[w[2]], w[0], w[1], torch.bfloat16)),
                 "w8a8": ("int8_packed_gemm", q8,
-                         lambda o, x, w: o.int8_packed_gemm(*x[-w[2]], w[0], w[1], bf16_out)),
+                         lambda o, x, w: o.int8_packed_gemm(*x[-w[2]], w[0], w[1], torch.bfloat16)),
                 "int4": ("int4_gemv", int4, lambda o, x, w: o.int4_gemv(x[w[3]], w[0], w[1], w[2], 64))}
     products = {products[p][0]: products[p][1:] for p in args.products.split(",")}
     table = Table(title=f"{args.b} ({sb}) against {args.a} ({sa}), {args.threads} threads, interleaved: ms for the "

@@ -696,9 +696,14 @@ std::string bf16_isa() { return LEANLM_BF16_DOT; }
 // torch's large GEMMs reach) against torch's 186 there, and 40 GB/s of weights at one row against its 10
 // (benchmarks/kernels.py --sections b).
 constexpr int64_t kPackRows = 8, kPackTiles = 3;  // rows of x and tiles of 16 columns a block
-// AVX2's bf16 product: rows of x a block of tiles serves in turn, in tiles of up to 6 (packed_rows); 12, 32 and 48
-// the same within noise (Zen 3, a model's projections at 8-256 rows)
-constexpr int64_t kAvx2Rows = 32;
+// Rows of x a block of tiles serves in turn (packed_split), bf16's and W8A16's: one register block on AVX-512; on
+// AVX2 32, in tiles of up to 6 (bf16) or 5 (W8A16) rows; 12, 32 and 48 the same within noise for bf16 (Zen 3, a
+// model's projections at 8-256 rows)
+#if defined(LEANLM_AVX2)
+constexpr int64_t kSplitRows = 32;
+#else
+constexpr int64_t kSplitRows = kPackRows;
+#endif
 
 // A packed product's dispatch table: kBlocks<Blocks, R>[m - 1][n - 1] is Blocks::at<m, n>, its register block of
 // m rows of x by n tiles of 16 columns, for m <= R and n <= kPackTiles (a product picks the shape at run time).
@@ -712,8 +717,8 @@ constexpr auto block_table(std::index_sequence<M...>) {
 }
 template <typename Blocks, int64_t R = kPackRows>
 constexpr auto kBlocks = block_table<Blocks>(std::make_index_sequence<R>());
-// mb rows as tiles of up to R rows, as even as they go (8 rows as 4 + 4, not 6 + 2: fewer rows leave AVX2's FMAs
-// waiting on their latency): tile(m, rows) for each, m its first row
+// mb rows as tiles of up to R rows, as even as they go (8 rows as 4 + 4, not 6 + 2: a tile of fewer rows reuses
+// each weight load less, and leaves AVX2's FMAs waiting on their latency): tile(m, rows) for each, m its first row
 template <int64_t R, typename Tile>
 void even_tiles(int64_t mb, const Tile& tile) {
   const int64_t tiles = (mb + R - 1) / R;
@@ -888,12 +893,10 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
   std::vector<float> xf(M * K);  // widened once, not for every block of tiles
   to_float(xp, M * K, xf.data());
   const float* xr = xf.data();
-  const int64_t rows = kAvx2Rows;
 #else
   const bf16* xr = xp;
-  const int64_t rows = kPackRows;
 #endif
-  packed_split(N / 16, M, rows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
+  packed_split(N / 16, M, kSplitRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
     packed_rows(xr + m0 * K, K, wp + t * 16 * K, 16 * K, yp + m0 * N + t * 16, N, mb, nb);
   });
   return y;
@@ -1212,12 +1215,7 @@ void w8_packed_product(const at::Tensor& x, const int8_t* wp, const bf16* scale,
   const at::Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
 #endif
-#ifdef LEANLM_AVX512
-  const int64_t rows = kPackRows;
-#else
-  const int64_t rows = kAvx2Rows;  // in tiles of up to 5 (even_tiles)
-#endif
-  packed_split(N / 16, M, rows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
+  packed_split(N / 16, M, kSplitRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
     kBlocks<PackedW8<Out>>[mb - 1][nb - 1](r.q + m0 * r.Kp, r.scale + m0, K, r.Kp, wp + t * 16 * K,
                                            scale + t * 16, yp + m0 * N + t * 16, N);

@@ -152,6 +152,10 @@ struct Rows {
 inline __m512 bf16x16(const bf16* p) {  // 16 bf16 -> float32 (bf16 is float32's top half)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+inline __m512 masked16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 masked16(const bf16* p, __mmask16 mask) {  // the masked lanes 0
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
 #endif
 
 #ifdef LEANLM_SIMD

@@ -148,6 +148,8 @@ constexpr int64_t kChunk = 4096;  // as above: 8 lanes, two chains, |sum| < 2 * 
 inline __m256 bf16x8(const bf16* p) {  // 8 bf16 -> float32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) { return bf16x8(p); }
 inline void to_float(const bf16* x, int64_t n, float* out) {  // n bf16 -> float32
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, bf16x8(x + i));
@@ -460,64 +462,69 @@ at::Tensor rescale(const at::Tensor& acc, const c10::optional<at::Tensor>& xs, c
   return y;
 }
 
-// W8A8's per-token activation codes in one pass instead of ~10 tensor ops: scale = max(row's max |x|, 1e-12) / 127,
-// q = x / scale rounded half to even; float32 arithmetic in lowbit.primitives' order (compute_qparams, quantize),
-// so codes and scales are bit-identical to them
+// W8A8's per-token activation codes of one row of x (float32 or bf16, read as it is stored): scale = max(row's
+// max |x|, 1e-12) / 127, codes = x / scale rounded half to even; float32 arithmetic in lowbit.primitives' order
+// (compute_qparams, quantize), so codes and scale are bit-identical to them.  -> scale
+template <typename T>
+float quantize_row(const T* row, int64_t K, int8_t* code) {
+  int64_t k = 0;
+  float amax = 0.f;
+#ifdef LEANLM_AVX512  // the same divisions and roundings, 16 at a time
+  __m512 amax16 = _mm512_setzero_ps();
+  for (; k < K; k += 16)  // NaN-blind as std::max: the second operand when either is NaN
+    amax16 = _mm512_max_ps(_mm512_abs_ps(masked16(row + k, Rows::tail(K - k))), amax16);
+  amax = _mm512_reduce_max_ps(amax16);
+#elif defined(LEANLM_AVX2)  // 8 at a time, the rest in the scalar loops
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax8 = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, load8(row + k)), amax8);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax8);
+  for (const float lane : lanes) amax = std::max(amax, lane);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(float(row[k])));
+  const float scale = std::max(amax, 1e-12f) / 127.f;
+  k = 0;
+#ifdef LEANLM_AVX512
+  const __m512 s16 = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  for (; k < K; k += 16) {
+    const __mmask16 mask = Rows::tail(K - k);
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(masked16(row + k, mask), s16),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 clamped = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+    _mm_mask_storeu_epi8(code + k, mask, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(clamped)));
+  }
+#elif defined(LEANLM_AVX2)
+  const __m256 s8 = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+  for (; k + 8 <= K; k += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(load8(row + k), s8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i q32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+    _mm_storel_epi64((__m128i*)(code + k), _mm_packs_epi16(q16, q16));
+  }
+#endif
+  for (; k < K; ++k)
+    code[k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(float(row[k]) / scale), -128.f), 127.f));
+  return scale;
+}
+
+// quantize_row over every row of x [M, K] (float32 or bf16, any other dtype converted to float32 first), in one op
+// instead of ~10 tensor ops; bf16 is read as it is (converting it first took half of the op's time at one row)
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quantize_rows takes x [M, K] on the CPU, got ", x.sizes());
-  const at::Tensor xf = x.contiguous().to(at::kFloat);
-  const int64_t M = xf.size(0), K = xf.size(1);
-  at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
-  at::Tensor s = at::empty({M}, xf.options());
-  const float* xp = xf.data_ptr<float>();
+  const at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.contiguous().to(at::kFloat);
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor q = at::empty({M, K}, xc.options().dtype(at::kChar));
+  at::Tensor s = at::empty({M}, xc.options().dtype(at::kFloat));
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = s.data_ptr<float>();
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* row = xp + m * K;
-      int8_t* code = qp + m * K;
-      int64_t k = 0;
-      float amax = 0.f;
-#ifdef LEANLM_AVX512  // the same divisions and roundings, 16 at a time
-      __m512 amax16 = _mm512_setzero_ps();
-      for (; k < K; k += 16)  // NaN-blind as std::max: the second operand when either is NaN
-        amax16 = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(Rows::tail(K - k), row + k)), amax16);
-      amax = _mm512_reduce_max_ps(amax16);
-#elif defined(LEANLM_AVX2)  // 8 at a time, the rest in the scalar loops
-      const __m256 sign = _mm256_set1_ps(-0.f);
-      __m256 amax8 = _mm256_setzero_ps();
-      for (; k + 8 <= K; k += 8) amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)), amax8);
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, amax8);
-      for (const float lane : lanes) amax = std::max(amax, lane);
-#endif
-      for (; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-      const float scale = std::max(amax, 1e-12f) / 127.f;
-      sp[m] = scale;
-      k = 0;
-#ifdef LEANLM_AVX512
-      const __m512 s16 = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
-      for (; k < K; k += 16) {
-        const __mmask16 mask = Rows::tail(K - k);
-        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + k), s16),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 clamped = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-        _mm_mask_storeu_epi8(code + k, mask, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(clamped)));
-      }
-#elif defined(LEANLM_AVX2)
-      const __m256 s8 = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
-      for (; k + 8 <= K; k += 8) {
-        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), s8),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i q32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
-        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
-        _mm_storel_epi64((__m128i*)(code + k), _mm_packs_epi16(q16, q16));
-      }
-#endif
-      for (; k < K; ++k)
-        code[k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(row[k] / scale), -128.f), 127.f));
-    }
-  });
+  auto rows = [&](const auto* xp) {
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) sp[m] = quantize_row(xp + m * K, K, qp + m * K);
+    });
+  };
+  if (xc.scalar_type() == at::kBFloat16) rows(xc.data_ptr<bf16>());
+  else rows(xc.data_ptr<float>());
   return {q, s};
 }
 

@@ -117,7 +117,7 @@ def test_bf16_packed_gemm_bad_arguments(ops):
 
 
 @pytest.mark.parametrize("N, K", [(16, 4), (80, 200), (48, 576), (32, 1536)])  # 1, 5, 3 and 2 tiles of 16 columns
-@pytest.mark.parametrize("M", [1, 2, 3, 8, 18, 19])  # blocks of 8, 8 and 2 or 3 rows (AVX2: 1-2 rows a tile a pass)
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 18, 19, 37])  # AVX-512: blocks of 8 rows; AVX2: of 32, tiles of 1-6 rows
 def test_int8_packed_gemm_gives_int8_gemv_q8s_bits(ops, N, K, M):
     """Exact int32 sums, then float(sum) * xs * scale: the same bits as that formula in torch (and so as W8A8's
     torch._int_mm + rescale, and the AVX-512 int8_gemv_q8), in float32 and rounded to bf16 once."""

@@ -703,9 +703,9 @@ std::string bf16_isa() { return LEANLM_BF16_DOT; }
 // torch's large GEMMs reach) against torch's 186 there, and 40 GB/s of weights at one row against its 10
 // (benchmarks/kernels.py --sections b).
 constexpr int64_t kPackRows = 8, kPackTiles = 3;  // rows of x and tiles of 16 columns a block
-// Rows of x a block of tiles serves in turn (packed_split), bf16's and W8A16's: one register block on AVX-512; on
-// AVX2 32, in tiles of up to 6 (bf16) or 5 (W8A16) rows; 12, 32 and 48 the same within noise for bf16 (Zen 3, a
-// model's projections at 8-256 rows)
+// Rows of x a block of tiles serves in turn (packed_split), bf16's, W8A16's and W8A8's: one register block on
+// AVX-512; on AVX2 32, in tiles of up to 6 (bf16, W8A8) or 5 (W8A16) rows; 12, 32 and 48 the same within noise for
+// bf16 (Zen 3, a model's projections at 8-256 rows)
 #if defined(LEANLM_AVX2)
 constexpr int64_t kSplitRows = 32;
 #else
@@ -1026,7 +1026,7 @@ struct PackedQ8 {
 // packed bytes are widened to int16 instead (`vpmovzxbw`, as stored) and `vpmaddwd` against x's codes k..k + 3
 // (widened once, broadcast as 64 bits) adds pairs into int32, so a column's sum is two lanes (k, k + 1 and
 // k + 2, k + 3), added once at the end: the same exact sums as the AVX-512 loop, the same bits. R rows by H halves
-// of a tile (8 columns each, 32 of each quad's 64 bytes): 2RH accumulators. Three or four rows take a tile in two
+// of a tile (8 columns each, 32 of each quad's 64 bytes): 2RH accumulators. Three to six rows take a tile in two
 // passes (H = 1); one or two rows take it in one (H = 2): the second pass read the tile again from L2 (a tile of
 // 576 columns is 36 KiB), and one row ran at 0.8x int8_gemv_q8 (kernels.py --sections q), level with it since.
 template <int R, int H, typename Out>
@@ -1038,7 +1038,7 @@ void q8_packed_half(const int16_t* x, const int32_t* xsum, const float* xs, int6
     __m256i wv[2 * H];
     for (int i = 0; i < 2 * H; ++i)
       wv[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + k * 16 + 16 * i)));
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int m = 0; m < R; ++m) {
       int64_t quad;
       std::memcpy(&quad, x + m * K + k, 8);
@@ -1060,6 +1060,8 @@ void q8_packed_half(const int16_t* x, const int32_t* xsum, const float* xs, int6
   }
 }
 
+constexpr int kQ8Rows = 6;  // 12 accumulators, two halves of w, x: 15 of the 16 registers
+
 template <int H, typename Out>
 struct Q8Halves {
   template <int R>
@@ -1074,19 +1076,19 @@ void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, con
 #if defined(LEANLM_AVX2)
   const std::vector<int16_t> x16(xp, xp + M * K);  // the codes widened once, for every tile
 #endif
-  packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
+  packed_split(N / 16, M, kSplitRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb) {
 #ifdef LEANLM_AVX512
     kBlocks<PackedQ8<Out>>[mb - 1][nb - 1](xp + m0 * K, xsum.data() + m0, xs + m0, K, wp + t * 16 * K,
                                            scale + t * 16, yp + m0 * N + t * 16, N);
 #elif defined(LEANLM_AVX2)
     const bool whole = mb <= 2;  // one or two rows: a whole tile a pass (q8_packed_half)
     for (int64_t n = t * 16; n < (t + nb) * 16; n += whole ? 16 : 8)  // the tile's quads hold columns n % 16 at 4 n
-      for (int64_t m = m0; m < m0 + mb; m += 4) {
-        const auto tile = whole ? kTiles<Q8Halves<2, Out>, 2>[mb - 1]
-                                : kTiles<Q8Halves<1, Out>, 4>[std::min<int64_t>(4, m0 + mb - m) - 1];
+      even_tiles<kQ8Rows>(mb, [&](int64_t m, int64_t rows) {
+        const auto tile = whole ? kTiles<Q8Halves<2, Out>, 2>[rows - 1] : kTiles<Q8Halves<1, Out>, kQ8Rows>[rows - 1];
+        m += m0;
         tile(x16.data() + m * K, xsum.data() + m, xs + m, K, wp + n / 16 * 16 * K + n % 16 * 4, scale + n,
              yp + m * N + n, N);
-      }
+      });
 #else
     for (int64_t m = m0; m < m0 + mb; ++m)
       for (int64_t n = t * 16; n < (t + nb) * 16; ++n) {

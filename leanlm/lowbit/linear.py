@@ -67,10 +67,13 @@ class _QuantLinearBase(nn.Module):
         return ()
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Add the bias and restore x's dtype and leading dims.  y [M, N] -> [..., N]"""
+        """Add the bias and restore x's dtype and leading dims.  y [M, N] -> [..., N]
+        (no-op casts and reshapes skipped: ~6 us of a decode step's every Linear, eager)"""
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul path (devices without a kernel).  x [..., K] -> [..., N]"""

@@ -71,8 +71,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed.dtype != torch.bfloat16 or not self.packed.is_cpu:  # moved or cast since (model.to)
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        y = kernels.ops().bf16_packed_gemm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        x2d = x.reshape(-1, self.in_features)  # no-op casts and reshapes skipped, as lowbit's _finish does
+        y = kernels.ops().bf16_packed_gemm(x2d if x.dtype == torch.bfloat16 else x2d.to(torch.bfloat16), self.packed)
+        if x.dtype != torch.bfloat16:
+            y = y.to(x.dtype)
+        y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -1083,9 +1083,9 @@ void q8_packed_product(const int8_t* xp, const float* xs, const uint8_t* wp, con
 #elif defined(LEANLM_AVX2)
     const bool whole = mb <= 2;  // one or two rows: a whole tile a pass (q8_packed_half)
     for (int64_t n = t * 16; n < (t + nb) * 16; n += whole ? 16 : 8)  // the tile's quads hold columns n % 16 at 4 n
-      even_tiles<kQ8Rows>(mb, [&](int64_t m, int64_t rows) {
+      even_tiles<kQ8Rows>(mb, [&](int64_t i, int64_t rows) {
         const auto tile = whole ? kTiles<Q8Halves<2, Out>, 2>[rows - 1] : kTiles<Q8Halves<1, Out>, kQ8Rows>[rows - 1];
-        m += m0;
+        const int64_t m = m0 + i;
         tile(x16.data() + m * K, xsum.data() + m, xs + m, K, wp + n / 16 * 16 * K + n % 16 * 4, scale + n,
              yp + m * N + n, N);
       });

@@ -1704,8 +1704,8 @@ inline void blocked_scores(const int16_t* q, const float* qs, int64_t D, const i
 
 #if defined(LEANLM_AVX2)
 // 8 entries of a pool's row as floats: float, bf16, or int8 codes times the row's scale
-inline __m256 widen8(const float* p, __m256) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const bf16* p, __m256) { return bf16x8(p); }
+inline __m256 widen8(const float* p, __m256) { return load8(p); }
+inline __m256 widen8(const bf16* p, __m256) { return load8(p); }
 inline __m256 widen8(const int8_t* p, __m256 scale) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))), scale);
 }

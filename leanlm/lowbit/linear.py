@@ -51,6 +51,13 @@ def _per_channel_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.
     return quantize(w, scale.float(), zero, spec), scale.reshape(-1)
 
 
+def like_input(y: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A product y [M, N] of x [..., K] in x's dtype and leading dims [..., N], a cast or reshape only where it changes
+    something (each no-op one cost microseconds, paid by every Linear of an eager decode step)."""
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
+
+
 class _QuantLinearBase(nn.Module):
     BITS = 8  # bits per weight, scales not counted
     SCALE_BITS = 32  # bits of scale (and zero point) stored per group of weights; a row is one group by default
@@ -67,14 +74,10 @@ class _QuantLinearBase(nn.Module):
         return ()
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Add the bias and restore x's dtype and leading dims.  y [M, N] -> [..., N]
-        (a cast or reshape only where it changes something: each no-op one cost microseconds, paid by every Linear
-        of an eager decode step)"""
+        """Add the bias and restore x's dtype and leading dims.  y [M, N] -> [..., N]"""
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        return like_input(y, x, self.out_features)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul path (devices without a kernel).  x [..., K] -> [..., N]"""

@@ -9,7 +9,7 @@ from torch import nn
 from leanlm import kernels
 from leanlm.lowbit.hadamard import OnlineRotation
 from leanlm.lowbit.linear import (PackedW4A8Linear, PackedW8A8Linear, PackedW8A16Linear, W4A8Linear, W8A8Linear,
-                                  W8A16Linear)
+                                  W8A16Linear, like_input)
 from leanlm.models.config import ModelConfig
 from leanlm.runtime import matmul_dtype
 
@@ -71,11 +71,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed.dtype != torch.bfloat16 or not self.packed.is_cpu:  # moved or cast since (model.to)
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        x2d = x.reshape(-1, self.in_features)  # no-op casts and reshapes skipped, as lowbit's _finish does
+        x2d = x.reshape(-1, self.in_features)
         y = kernels.ops().bf16_packed_gemm(x2d if x.dtype == torch.bfloat16 else x2d.to(torch.bfloat16), self.packed)
-        if x.dtype != torch.bfloat16:
-            y = y.to(x.dtype)
-        y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        y = like_input(y, x, self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

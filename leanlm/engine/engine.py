@@ -4,26 +4,26 @@ postprocess, over a paged KV cache that prompts with a common prefix share."""
 from __future__ import annotations
 
 import sys
-import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
 from leanlm.cache.int4 import Int4KVPool
-from leanlm.cache.paged import KVPool, cdiv
+from leanlm.cache.paged import KVPool
 from leanlm.engine.compiled import CompiledPagedDecoder
 from leanlm.engine.config import EngineConfig
 from leanlm.engine.draft import Drafter
+from leanlm.engine.intake import Intake, Limits
 from leanlm.engine.postprocess import Sampled, append
 from leanlm.engine.runner import Forward, Runner
 from leanlm.engine.scheduler import ScheduledBatch, Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
-from leanlm.generation.decode import check_fits
 from leanlm.generation.grammar import GrammarCompiler, mask_rows
 from leanlm.generation.sampling import SamplingParams, probabilities, sample_rows, token_logprobs
 from leanlm.generation.speculative import LookupProposer, verify
-from leanlm.generation.text import Detokenizer, encode_prompt, eos_ids
+from leanlm.generation.text import eos_ids
 from leanlm.models.transformer import Transformer
 from leanlm.runtime import parse_memory
 from leanlm.tokenizer import Tokenizer
@@ -37,6 +37,23 @@ def _pool(model: Transformer, config: EngineConfig, memory: int, draft: Transfor
     if config.kv_cache == "int4":
         return Int4KVPool.from_budget(cfg, memory, bs, dtype, model.device, config.max_num_seqs, draft_bytes)
     return KVPool.from_budget(cfg, memory, bs, dtype, model.device, config.int8_kv, draft_bytes)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state a server reports (leanlm.serve.metrics): sequences running and waiting, KV-cache usage
+    (0-1), prefix-cache queries and hits in tokens, preemptions, and speculation's verifications, tokens proposed,
+    accepted, and accepted by position in the proposal."""
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    spec_drafts: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class Engine:
@@ -53,14 +70,16 @@ class Engine:
         self.drafter = Drafter(draft, self.pool.num_blocks, config.block_size) if draft is not None else None
         self.scheduler = Scheduler(config, self.pool.num_blocks)
         self.runner = Runner(model, self.pool, self._compiled(), config.deterministic, self.scheduler.scratch)
-        self.eos = eos_ids(model, tokenizer)
+        self.eos = frozenset(eos_ids(model, tokenizer))
+        self.limits = Limits(model.config.vocab_size, model.config.max_position, self.eos, config.block_size,
+                             self.scheduler.num_blocks)
+        self.intake = Intake(tokenizer, self.limits)
         self.lookup = LookupProposer(ngram=config.prompt_lookup) if config.prompt_lookup else None
         self.num_speculative = config.num_speculative
         # speculation (prompt lookup or a draft): verifications, tokens proposed and accepted, accepted per position
         self.spec_drafts = self.spec_proposed = self.spec_accepted = 0
         self.spec_accepted_per_pos = [0] * config.num_speculative
         self.requests: dict[str, list[Sequence]] = {}
-        self._grammars, self._grammar_lock = None, threading.Lock()
 
     def _compiled(self) -> CompiledPagedDecoder | None:
         """The compiled decode steps, when asked for and possible (else a warning: steps run eager)."""
@@ -100,41 +119,18 @@ class Engine:
 
     def make_request(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
                      chat: bool = False) -> list[Sequence]:
-        """Tokenize and check a request (any thread; raises LeanLMError on bad input, changing nothing). The prompt:
-        text (in the chat template with chat=True), token ids, or chat messages ([{"role", "content"}, ...])."""
-        chat = chat or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict))
-        if isinstance(prompt, str) or chat:
-            ids = encode_prompt(self.tokenizer, prompt, chat)
-        else:
-            ids = list(prompt)
-            vocab = self.model.config.vocab_size
-            for t in ids:
-                if not isinstance(t, int) or not 0 <= t < vocab:
-                    raise LeanLMError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
-        max_tokens = check_fits(self.model, len(ids), params.max_tokens)
-        if params.max_tokens is None:  # to the end of the context, as far as the KV cache holds one sequence
-            max_tokens = max(1, min(max_tokens, self.capacity - len(ids)))
-        need, have = cdiv(len(ids) + max_tokens, self.config.block_size), self.scheduler.num_blocks
-        if need > have:
-            raise LeanLMError(f"a request of {len(ids)} prompt + {max_tokens} new tokens needs {need} KV blocks; the "
-                              f"KV cache holds {have}: give it more memory or ask for fewer tokens")
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
-        seqs = [Sequence(request_id, i, ids, params, max_tokens, stop_ids, Detokenizer(ids, params.stop, stop_ids))
-                for i in range(params.n)]
-        if params.grammar is not None:
-            matcher = self.grammars().matcher(params.grammar, params.stop_token_ids)
-            for seq in seqs:
-                seq.matcher = matcher.fork()
-        seqs[0].children = seqs[1:]
-        return seqs
+        """Tokenize and check a request (any thread; engine.intake.Intake.make)."""
+        return self.intake.make(request_id, prompt, params, chat)
 
     def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler (generation.grammar), made on first use: reading the vocabulary takes
-        0.2-1.3 s. Any thread (make_request runs off the server's event loop)."""
-        with self._grammar_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos)
-            return self._grammars
+        return self.intake.grammars()
+
+    def stats(self) -> EngineStats:
+        """The counters a server reports (plain reads: any thread)."""
+        s, blocks = self.scheduler, self.blocks
+        return EngineStats(len(s.running), len(s.waiting), blocks.usage, blocks.queries, blocks.hits,
+                           s.num_preemptions, self.spec_drafts, self.spec_proposed, self.spec_accepted,
+                           tuple(self.spec_accepted_per_pos))
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue a request made by make_request."""

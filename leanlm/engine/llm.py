@@ -1,5 +1,6 @@
 """LLM: the engine facade. `generate` runs many prompts at once (highest throughput); `AsyncLLM` streams each
-request's output from an engine stepping on its own thread, so callers (an HTTP server) never stall a step."""
+request's output from an engine stepping on its own thread, so callers (an HTTP server) never stall a step;
+`EngineFront` is what it shares with engine.process.EngineProcess, the engine in a process of its own."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from leanlm.engine.config import OFFLINE_BATCHED_TOKENS, EngineConfig, engine_config
-from leanlm.engine.engine import Engine, request_output
+from leanlm.engine.engine import Engine, EngineStats, request_output
+from leanlm.engine.intake import Intake, Limits
 from leanlm.engine.sequence import Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
+from leanlm.generation.decode import prefill_seconds
 from leanlm.generation.sampling import SamplingParams
 from leanlm.models.layers import pack_linears
 from leanlm.models.loading import load
 from leanlm.runtime import cpu_count, set_threads
+from leanlm.tokenizer import Tokenizer
 
 
 def _engine(model, tokenizer, dtype, device, threads, config: EngineConfig, quiet: bool) -> Engine:
@@ -108,60 +112,39 @@ class _progress:
             self.bar.stop()
 
 
-class AsyncLLM:
-    """Streaming interface: `async for delta in llm.stream(prompt, params)`; `abort(request_id)` from anywhere.
+class EngineFront:
+    """What a streaming front end to an engine offers (AsyncLLM: the engine on a thread; engine.process.EngineProcess:
+    in a process of its own): requests made and checked here, each request's Deltas on an asyncio queue.
 
-    Requests are tokenized and checked on the caller's thread; the engine thread steps whenever there is work
-    and hands each Delta to the asyncio loop of the request's caller."""
+    A subclass sets tokenizer, limits and intake, and gives _post (an ("add", seqs) or ("abort", id) on its way to
+    the engine), stats, prefill_seconds, compiled and shutdown."""
 
-    def __init__(self, model, tokenizer=None, *, config: EngineConfig | None = None, dtype=None, device=None,
-                 threads: int | None = None, quiet: bool = False, **options):
-        """As LLM's: config and its fields as keywords."""
-        config = engine_config(config, **options)
+    tokenizer: Tokenizer
+    limits: Limits
+    intake: Intake
+    compiled: bool  # decode steps run as compiled graphs
+
+    def __init__(self):
         self._ids = itertools.count()
-        self._inbox: list = []  # ("add", seqs) / ("abort", id), applied by the engine thread between steps
-        self._wake = threading.Condition()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self.error: BaseException | None = None
-        # The engine is built on its own thread, so that thread alone ever runs OpenMP work: once the caller's
-        # thread has run a parallel region too, the step's kernels ran ~1.7x slower on 2 cores (two thread teams).
-        failed: list[BaseException] = []
-        ready = threading.Event()
 
-        def build_then_loop():
-            try:
-                self.engine = _engine(model, tokenizer, dtype, device, threads, config, quiet)
-                # a server is ready when it is fast: every compiled graph built before the first request
-                self.engine.build_graphs(log=lambda text: quiet or print(f"leanlm: {text}", file=sys.stderr))
-            except BaseException as e:
-                failed.append(e)
-                return
-            finally:
-                ready.set()
-            self._loop()
-
-        self._thread = threading.Thread(target=build_then_loop, name="leanlm-engine", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if failed:
-            raise failed[0]
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def make_request(self, request_id: str, prompt, params: SamplingParams, chat: bool = False) -> list[Sequence]:
+        """Tokenize and check a request (any thread: run it off the event loop); LeanLMError on bad input."""
+        return self.intake.make(request_id, prompt, params, chat)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, chat: bool = False,
                     queue: asyncio.Queue | None = None) -> tuple[list[Sequence], asyncio.Queue]:
         """Queue a request from a running event loop; (its sequences, the queue its Deltas arrive on: `queue`, which
-        several requests may share, or a new one). An engine failure arrives on it as an exception object. The
-        sequences belong to the engine thread: read only their ids and prompt."""
+        several requests may share, or a new one). An engine failure arrives on it as an exception object. Read
+        only the sequences' ids and prompt: the engine advances its own."""
         self._check_running()
-        seqs = self.engine.make_request(request_id or f"req-{next(self._ids)}", prompt, params, chat)
+        seqs = self.make_request(request_id or f"req-{next(self._ids)}", prompt, params, chat)
         return seqs, self.submit(seqs, queue)
 
     def submit(self, seqs: list[Sequence], queue: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Queue a request made by engine.make_request (which may run on any thread, e.g. off the event loop)."""
+        """Queue a request made by make_request (which may run on any thread, e.g. off the event loop)."""
         request_id, queue = seqs[0].request_id, queue or asyncio.Queue()
         self._sinks[request_id] = asyncio.get_running_loop(), queue
         try:
@@ -204,6 +187,73 @@ class AsyncLLM:
         """Forget a finished request's queue."""
         self._sinks.pop(request_id, None)
 
+    def _send(self, request_id: str, item) -> None:
+        if sink := self._sinks.get(request_id):
+            sink[0].call_soon_threadsafe(sink[1].put_nowait, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Every waiting stream learns why instead of hanging."""
+        for loop, queue in list(self._sinks.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+
+    def _post(self, item) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    def prefill_seconds(self, n: int) -> float:
+        """The served model's time to prefill n tokens (prompt compression's break-even)."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class AsyncLLM(EngineFront):
+    """Streaming interface: `async for delta in llm.stream(prompt, params)`; `abort(request_id)` from anywhere.
+
+    Requests are tokenized and checked on the caller's thread; the engine thread steps whenever there is work
+    and hands each Delta to the asyncio loop of the request's caller."""
+
+    def __init__(self, model, tokenizer=None, *, config: EngineConfig | None = None, dtype=None, device=None,
+                 threads: int | None = None, quiet: bool = False, **options):
+        """As LLM's: config and its fields as keywords."""
+        super().__init__()
+        config = engine_config(config, **options)
+        self._inbox: list = []  # ("add", seqs) / ("abort", id), applied by the engine thread between steps
+        self._wake = threading.Condition()
+        # The engine is built on its own thread, so that thread alone ever runs OpenMP work: once the caller's
+        # thread has run a parallel region too, the step's kernels ran ~1.7x slower on 2 cores (two thread teams).
+        failed: list[BaseException] = []
+        ready = threading.Event()
+
+        def build_then_loop():
+            try:
+                self.engine = _engine(model, tokenizer, dtype, device, threads, config, quiet)
+                # a server is ready when it is fast: every compiled graph built before the first request
+                self.engine.build_graphs(log=lambda text: quiet or print(f"leanlm: {text}", file=sys.stderr))
+            except BaseException as e:
+                failed.append(e)
+                return
+            finally:
+                ready.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=build_then_loop, name="leanlm-engine", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+        self.tokenizer, self.limits, self.intake = self.engine.tokenizer, self.engine.limits, self.engine.intake
+        self.compiled = self.engine.runner.compiled is not None
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def prefill_seconds(self, n: int) -> float:
+        return prefill_seconds(self.engine.model, n)
+
     def shutdown(self) -> None:
         with self._wake:
             self._stopped = True
@@ -216,10 +266,6 @@ class AsyncLLM:
                 self._check_running()
             self._inbox.append(item)
             self._wake.notify()
-
-    def _send(self, request_id: str, item) -> None:
-        if sink := self._sinks.get(request_id):
-            sink[0].call_soon_threadsafe(sink[1].put_nowait, item)
 
     def _loop(self) -> None:
         try:
@@ -240,9 +286,8 @@ class AsyncLLM:
                         self._send(item[0].request_id, e)
                 for delta in self.engine.step():
                     self._send(delta.request_id, delta)
-        except BaseException as e:  # every waiting stream learns why instead of hanging
+        except BaseException as e:
             with self._wake:
                 self.error = e
-            for loop, queue in list(self._sinks.values()):
-                loop.call_soon_threadsafe(queue.put_nowait, e)
+            self._fail_all(e)
             raise

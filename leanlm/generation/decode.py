@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -22,9 +24,9 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
 
 
-def check_fits(model: Transformer, prompt_len: int, max_tokens: int | None) -> int:
-    """Clip max_tokens (None: no limit) to the context window; refuse a prompt that does not fit at all."""
-    window = model.config.max_position
+def check_fits(window: int, prompt_len: int, max_tokens: int | None) -> int:
+    """Clip max_tokens (None: no limit) to the context window (a model's max_position); refuse a prompt that does
+    not fit at all."""
     if prompt_len == 0:
         raise LeanLMError("empty prompt: give at least one token of text")
     if prompt_len >= window:
@@ -51,6 +53,18 @@ def prefill(model: Transformer, prompts: list[list[int]], max_new: int, round_to
 
 
 @torch.inference_mode()
+def prefill_seconds(model: Transformer, n: int, repeats: int = 2) -> float:
+    """The best of `repeats` timings of one prefill of n random tokens."""
+    ids = torch.randint(0, model.config.vocab_size, (n,)).tolist()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        prefill(model, [ids], 1)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
 def decode_step(model: Transformer, cache: StaticCache, tokens: torch.Tensor) -> torch.Tensor:
     """Feed one token per row  # [B] -> next logits [B, V]"""
     positions = torch.full((tokens.shape[0], 1), cache.length, device=tokens.device)
@@ -66,7 +80,7 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
     `compiled`: a generation.compiled.CompiledDecoder to run the decode steps with (default: eager).
     """
     step = compiled.decode_step if compiled is not None else partial(decode_step, model)
-    max_new = check_fits(model, max(len(p) for p in prompts), params.max_tokens)
+    max_new = check_fits(model.config.max_position, max(len(p) for p in prompts), params.max_tokens)
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed)

@@ -204,7 +204,7 @@ def make_proposer(target: Transformer, params: SamplingParams, max_len: int, dra
 def speculative_generate(target: Transformer, prompt: list[int], params: SamplingParams, proposer, k: int,
                          eos_ids: set[int] = frozenset(), stats: SpecStats | None = None) -> Iterator[list[int]]:
     """Yield the tokens each target forward adds (one or more), until EOS or params.max_tokens."""
-    max_new = check_fits(target, len(prompt), params.max_tokens)
+    max_new = check_fits(target.config.max_position, len(prompt), params.max_tokens)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     if isinstance(proposer, DraftProposer):
         proposer.generator = generator

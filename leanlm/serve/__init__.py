@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 
-from leanlm.engine.llm import AsyncLLM
+from leanlm.engine.llm import EngineFront
 
 
-def serve(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+def serve(llm: EngineFront, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_requests: int = 512, log_level: str = "info", drain_seconds: int = 60,
           prompt_scorer: str = "smollm2-135m", max_n: int = 16, prepare_compression: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM: then stop accepting, let requests in flight finish (up to drain_seconds), stop the

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions (server-sent events when streaming),
-/v1/models, /health, /metrics, on an AsyncLLM whose engine steps on its own thread.
+/v1/models, /health, /metrics, on an engine front end (engine.llm.EngineFront: AsyncLLM, the engine stepping on its
+own thread, or engine.process.EngineProcess, in a process of its own).
 
 A request's completions come back on one asyncio queue. Work stops when its client goes: a streaming response
 closes its run when sending fails or ends (`_Stream`); a non-streaming one checks the connection while it waits.
@@ -21,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from leanlm.engine.llm import AsyncLLM, EngineStopped
+from leanlm.engine.llm import EngineFront, EngineStopped
 from leanlm.engine.sequence import Delta
 from leanlm.errors import LeanLMError
 from leanlm.generation.grammar import GrammarSpec
@@ -53,7 +54,7 @@ class _Run:
     """The engine requests behind one HTTP request (one per prompt, n completions each) and their shared queue.
     Made by `_Run.start`, which tokenizes and checks every prompt off the event loop before any is queued."""
 
-    def __init__(self, llm: AsyncLLM, metrics: Metrics, requests: list, params, on_done):
+    def __init__(self, llm: EngineFront, metrics: Metrics, requests: list, params, on_done):
         self.llm, self.metrics, self.params, self.on_done = llm, metrics, params, on_done
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ids = [seqs[0].request_id for seqs in requests]
@@ -72,16 +73,16 @@ class _Run:
                 raise
 
     @classmethod
-    async def start(cls, llm: AsyncLLM, metrics: Metrics, prompts: list, params, chat: bool, on_done,
+    async def start(cls, llm: EngineFront, metrics: Metrics, prompts: list, params, chat: bool, on_done,
                     render=None) -> _Run:
         """render: prompt -> token ids (a chat with tools), else the engine renders and tokenizes."""
-        make = llm.engine.make_request
+        make = llm.make_request
         requests = await asyncio.to_thread(lambda: [make(uuid.uuid4().hex, render(p), params) if render else
                                                     make(uuid.uuid4().hex, p, params, chat) for p in prompts])
         need = sum(params.n * (len(seqs[0].prompt_ids) + (params.max_tokens or 1)) for seqs in requests)
-        if need > llm.engine.capacity:  # admitted, it could only run by preempting itself
+        if need > llm.limits.capacity:  # admitted, it could only run by preempting itself
             raise RequestTooLarge(f"this request needs {need} tokens of KV cache ({len(requests)} prompts x n="
-                                  f"{params.n}, prompt + max_tokens each); the server holds {llm.engine.capacity}: "
+                                  f"{params.n}, prompt + max_tokens each); the server holds {llm.limits.capacity}: "
                                   f"send fewer prompts, a smaller n or max_tokens")
         return cls(llm, metrics, requests, params, on_done)
 
@@ -193,7 +194,7 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_requests: int = 512,
+def build_app(llm: EngineFront, model_name: str, api_key: str | None = None, max_requests: int = 512,
               prompt_scorer="smollm2-135m", max_n: int = 16, prepare_compression: str | None = None) -> FastAPI:
     """max_requests: HTTP requests in progress beyond which new ones get 503 and Retry-After (the queue is bounded
     here, not left to grow in the engine). prompt_scorer: the model that compresses prompts that ask for it (the
@@ -202,9 +203,9 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     or made, its break-even measured) before this returns, so that no request waits on it."""
     app = FastAPI(title="leanlm", docs_url=None, redoc_url=None)
     app.state.active = 0  # HTTP requests admitted and not yet answered in full
-    metrics = Metrics(llm.engine, model_name)
+    metrics = Metrics(llm.stats, model_name)
     tok = llm.tokenizer
-    compression = PromptCompression(prompt_scorer, llm.engine.model)
+    compression = PromptCompression(prompt_scorer, llm.prefill_seconds, llm.limits.max_position)
     if prepare_compression:
         seconds = compression.prepare(prepare_compression, tok)
         print(f"leanlm: prompt compression ({prepare_compression}) ready in {seconds:.1f} s", file=sys.stderr)
@@ -238,7 +239,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "leanlm",
-                                            "max_model_len": llm.engine.model.config.max_position}]}
+                                            "max_model_len": llm.limits.max_position}]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -255,12 +256,12 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_re
         else:
             ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens)
         strs = [_token_text(tok, t) for t in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": llm.engine.model.config.max_position, "tokens": ids,
+        return {"count": len(ids), "max_model_len": llm.limits.max_position, "tokens": ids,
                 "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        vocab = llm.engine.model.config.vocab_size
+        vocab = llm.limits.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise LeanLMError(f"tokens must be ids in [0, {vocab})")
         return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}

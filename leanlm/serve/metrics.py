@@ -4,20 +4,22 @@ engine's state (queues, KV usage, prefix cache, preemptions) is read when /metri
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from leanlm.engine.engine import Engine
+from leanlm.engine.engine import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0, 640.0)
 
 
 class _EngineState:
-    """A collector that reads the engine when scraped (plain reads of counters and list lengths)."""
+    """A collector that reads the engine's EngineStats when scraped."""
 
-    def __init__(self, engine: Engine, model: str):
-        self.engine, self.labels = engine, {"model_name": model}
+    def __init__(self, stats: Callable[[], EngineStats], model: str):
+        self.stats, self.labels = stats, {"model_name": model}
 
     def _family(self, cls, name: str, doc: str, value: float):
         family = cls(name, doc, labels=list(self.labels))
@@ -25,19 +27,19 @@ class _EngineState:
         return family
 
     def collect(self):
-        e = self.engine
+        e = self.stats()
         yield self._family(GaugeMetricFamily, "vllm:num_requests_running", "Sequences in model execution batches.",
-                           len(e.scheduler.running))
+                           e.running)
         yield self._family(GaugeMetricFamily, "vllm:num_requests_waiting", "Sequences waiting to be processed.",
-                           len(e.scheduler.waiting))
+                           e.waiting)
         yield self._family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.",
-                           e.blocks.usage)
+                           e.kv_usage)
         yield self._family(CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.",
-                           e.blocks.queries)
+                           e.prefix_queries)
         yield self._family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.",
-                           e.blocks.hits)
+                           e.prefix_hits)
         yield self._family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative preemptions by the scheduler.",
-                           e.scheduler.num_preemptions)
+                           e.preemptions)
         # speculation (a draft model or prompt lookup), as vLLM counts it: acceptance rate = accepted / draft
         # tokens, mean acceptance length = 1 + accepted / drafts
         yield self._family(CounterMetricFamily, "vllm:spec_decode_num_drafts", "Verifications of a proposal.",
@@ -55,9 +57,10 @@ class _EngineState:
 
 
 class Metrics:
-    def __init__(self, engine: Engine, model: str):
+    def __init__(self, stats: Callable[[], EngineStats], model: str):
+        """stats: the engine's current EngineStats (an engine front end's `stats`)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineState(engine, model))
+        self.registry.register(_EngineState(stats, model))
         labels, reg = ["model_name"], self.registry
 
         def histogram(name, doc):

@@ -14,10 +14,7 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
-
 from leanlm.errors import LeanLMError
-from leanlm.generation.decode import prefill
 from leanlm.generation.text import encode_prompt
 from leanlm.prompt.compressor import PromptCompressor
 
@@ -65,23 +62,13 @@ def probe_text(tok, tokens: int, seed: int = 0) -> str:
     return tok.decode(ids)
 
 
-@torch.inference_mode()
-def prefill_seconds(net, n: int, repeats: int = 2) -> float:
-    ids = torch.randint(0, net.config.vocab_size, (n,)).tolist()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        prefill(net, [ids], 1)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 class PromptCompression:
     """One scorer (a model name, loaded on first use, or a PromptCompressor); one compression at a time, off the
-    event loop. `net`: the served model, whose prefill "auto" weighs compressing against."""
+    event loop. `prefill_seconds(n)`: the served model's time to prefill n tokens (an engine front end's), which
+    "auto" weighs compressing against; `window`: its context window."""
 
-    def __init__(self, scorer, net=None):
-        self.scorer, self.lock, self.net = scorer, asyncio.Lock(), net
+    def __init__(self, scorer, prefill_seconds=None, window: int | None = None):
+        self.scorer, self.lock, self.prefill_seconds, self.window = scorer, asyncio.Lock(), prefill_seconds, window
         self.compressor = None if isinstance(scorer, str) else scorer
         self.prefill_curve = None  # (a, b) of the served model
         self.costs: dict[str, BreakEven] = {}  # by method
@@ -115,13 +102,13 @@ class PromptCompression:
         return self.costs[method]
 
     def _measure(self, compressor: PromptCompressor, method: str, tok) -> BreakEven:
-        if self.net is None:
+        if self.prefill_seconds is None:
             raise LeanLMError("auto compression needs the served model to time its prefill")
-        top = min(PROBE_TOKENS, self.net.config.max_position - 1)
+        top = min(PROBE_TOKENS, self.window - 1)
         lengths = (top // 4, top)
         if self.prefill_curve is None:
-            prefill_seconds(self.net, 16)  # first-call costs out of the timing
-            self.prefill_curve = fit(lengths, tuple(prefill_seconds(self.net, n) for n in lengths), True)
+            self.prefill_seconds(16)  # first-call costs out of the timing
+            self.prefill_curve = fit(lengths, tuple(self.prefill_seconds(n) for n in lengths), True)
         texts = [probe_text(tok, n) for n in lengths]
         if method == "classifier":
             compressor.classifier  # made or loaded outside the timing

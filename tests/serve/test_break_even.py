@@ -2,9 +2,11 @@
 points."""
 
 import math
+from functools import partial
 
 import pytest
 
+from leanlm.generation.decode import prefill_seconds
 from leanlm.serve.prompts import BreakEven, PromptCompression, fit
 
 
@@ -44,7 +46,8 @@ def test_prepare_measures_before_any_request(tiny):
     from leanlm.prompt.compressor import PromptCompressor
 
     net, tok = tiny
-    compression = PromptCompression(PromptCompressor(model=tiny), net)
+    compression = PromptCompression(PromptCompressor(model=tiny), partial(prefill_seconds, net),
+                                    net.config.max_position)
     assert compression.prepare("random", tok) > 0
     measured = compression.costs["random"]
     assert isinstance(measured, BreakEven) and measured.a > 0

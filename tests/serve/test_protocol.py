@@ -142,14 +142,14 @@ def test_a_chunked_body_over_the_limit_is_refused_on_the_bytes_read(server):
 
 
 def test_prompts_are_tokenized_off_the_event_loop(server, monkeypatch):
-    engine, threads = server.llm.engine, []
-    make = engine.make_request
+    llm, threads = server.llm, []
+    make = llm.make_request
 
     def recording(*args, **kw):
         threads.append(threading.current_thread())
         return make(*args, **kw)
 
-    monkeypatch.setattr(engine, "make_request", recording)
+    monkeypatch.setattr(llm, "make_request", recording)
     assert post(server, "/v1/chat/completions", {"model": NAME, "max_tokens": 2,
                                                   "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
     assert threads and all(t is not server.thread for t in threads)

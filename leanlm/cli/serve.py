@@ -17,6 +17,7 @@ from leanlm.bench.workload import read_prompts
 from leanlm.cli.common import DType, Device, KVCache, Model, Threads, _fail, app, err, out
 from leanlm.engine import AsyncLLM, EngineConfig
 from leanlm.engine.config import check_kv_cache
+from leanlm.engine.process import EngineProcess
 from leanlm.prompt.compressor import METHODS
 from leanlm.serve import serve as run_server
 from leanlm.serve.ray import serve_replicas
@@ -70,6 +71,9 @@ def serve(
                                                                     "min on 2 cores, then cached, and the break-even "
                                                                     "for auto measured), not inside the first "
                                                                     "request that asks for it")] = None,
+    engine_process: Annotated[bool, typer.Option("--engine-process/--engine-thread", help="the engine core in a "
+                                                 "process of its own (vLLM V1's split: no front-end Python holds up "
+                                                 "a step under the GIL), or on a thread of the server's")] = True,
     replicas: Annotated[int, typer.Option(help="engine replicas behind one endpoint on Ray Serve (leanlm[ray])")] = 1,
     ray_address: Annotated[Optional[str], typer.Option(help="an existing Ray cluster for the replicas, or "
                                                             "`local` (default: a new local instance)")] = None,
@@ -96,9 +100,10 @@ def serve(
                        prompt_scorer=prompt_scorer, max_n=max_n, prepare_compression=prepare_compression,
                        dtype=dtype, device=device, threads=threads)
         return
-    llm = AsyncLLM(model, config=config, dtype=dtype, device=device, threads=threads)
+    front = EngineProcess if engine_process else AsyncLLM
+    llm = front(model, config=config, dtype=dtype, device=device, threads=threads)
     err.print(f"leanlm: ready in {time.perf_counter() - start:.1f} s (the model loaded, its KV cache allocated"
-              f"{', every compiled step built' if llm.engine.runner.compiled is not None else ''})",
+              f"{', every compiled step built' if llm.compiled else ''})",
               highlight=False, markup=False)
     run_server(llm, name, host, port, api_key, max_requests, prompt_scorer=prompt_scorer, max_n=max_n,
                prepare_compression=prepare_compression)

@@ -7,6 +7,7 @@ import pytest
 
 from leanlm.bench.serve import free_port
 from leanlm.engine import AsyncLLM
+from leanlm.engine.llm import EngineFront
 from leanlm.generation.decode import generate_ids
 from leanlm.generation.sampling import SamplingParams
 
@@ -17,14 +18,15 @@ KEY, NAME = "sekrit", "tiny"
 class Server:
     """build_app on a real uvicorn in a thread; stopped (drained) at the end."""
 
-    def __init__(self, model, tok, **options):
+    def __init__(self, model, tok=None, **options):
+        """model, tok: an AsyncLLM is made of them; or model: an engine front end made already (EngineProcess)."""
         import uvicorn
 
         from leanlm.serve.app import build_app
 
         max_requests = options.pop("max_requests", 512)
         scorer = options.pop("prompt_scorer", "smollm2-135m")
-        self.llm = AsyncLLM(model, tok, quiet=True, **options)
+        self.llm = model if isinstance(model, EngineFront) else AsyncLLM(model, tok, quiet=True, **options)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app = build_app(self.llm, NAME, api_key=KEY, max_requests=max_requests, prompt_scorer=scorer)
@@ -43,12 +45,19 @@ class Server:
 
     def settled(self, timeout: float = 10) -> bool:
         """Every block free (or held only by the prefix cache) and no request left in the engine."""
-        e, deadline = self.llm.engine, time.time() + timeout
+        deadline = time.time() + timeout
         while time.time() < deadline:
-            if not e.has_work and not e.requests and e.blocks.num_free == e.blocks.num_blocks:
+            if self.idle():
                 return True
             time.sleep(0.05)
         return False
+
+    def idle(self) -> bool:
+        if isinstance(self.llm, AsyncLLM):  # the engine itself, on its thread
+            e = self.llm.engine
+            return not e.has_work and not e.requests and e.blocks.num_free == e.blocks.num_blocks
+        s = self.llm.stats()  # as the engine's process last reported
+        return s.running == s.waiting == 0 and s.kv_usage == 0
 
 
 def client(server) -> "openai.OpenAI":

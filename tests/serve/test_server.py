@@ -3,6 +3,7 @@
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,8 +13,8 @@ from serving import KEY, NAME, Server, client, greedy, openai
 from leanlm.bench.serve import free_port, leanlm_command
 
 
-def test_openai_client_completions_chat_streaming(server, tiny):
-    model, tok = tiny
+def test_openai_client_completions_chat_streaming(either_server, tiny):
+    server, (model, tok) = either_server, tiny
     c = client(server)
     assert [m.id for m in c.models.list().data] == [NAME]
     r = c.completions.create(model=NAME, prompt="hello world", max_tokens=6, temperature=0,
@@ -46,8 +47,8 @@ def test_openai_client_completions_chat_streaming(server, tiny):
     assert "".join(deltas) == chat.choices[0].message.content
 
 
-def test_64_concurrent_streams_each_get_their_own_continuation(server, tiny):
-    model, tok = tiny
+def test_64_concurrent_streams_each_get_their_own_continuation(either_server, tiny):
+    server, (model, tok) = either_server, tiny
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
     prompts = [f"{words[i % 8]} {words[(i // 8) % 8]} {i}" for i in range(64)]
     expected = [tok.decode(greedy(model, tok, p, 8)) for p in prompts]
@@ -68,8 +69,9 @@ def test_64_concurrent_streams_each_get_their_own_continuation(server, tiny):
     assert server.settled()
 
 
-def test_disconnects_free_every_block(server):
+def test_disconnects_free_every_block(either_server):
     """500 requests, half of them dropped mid-stream or before their first token (streaming and not)."""
+    server = either_server
     body = {"model": NAME, "prompt": "hello there world", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEY}"}
 
@@ -247,9 +249,17 @@ def test_kv_pressure_preempts_and_all_complete_and_a_full_queue_says_retry(tiny)
         s.stop()
 
 
+def running(pid: int) -> bool:
+    """Not exited: a zombie has exited (nothing here may reap one reparented to init)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
 def test_leanlm_serve_drains_on_sigterm(tiny_dir):
     """The CLI verb as deployed (its key from a file, its name the directory's): SIGTERM mid-stream lets the stream
-    finish, then the process exits."""
+    finish, then the process exits, and its engine's process with it."""
     import signal
     import subprocess
 
@@ -269,6 +279,8 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
             except httpx.TransportError:
                 time.sleep(0.2)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        core = [int(pid) for f in Path(f"/proc/{proc.pid}/task").glob("*/children") for pid in f.read_text().split()]
+        assert core  # the engine runs in a process of its own
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="from-a-file", max_retries=0)
         assert [m.id for m in c.models.list().data] == [tiny_dir.name]  # its name, never the path
         stream = c.completions.create(model=tiny_dir.name, prompt="hello", max_tokens=200, temperature=0, stream=True,
@@ -281,6 +293,10 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
         assert usage.completion_tokens == 200  # the request in flight finished
         # uvicorn re-raises the signal once drained: the process ends as terminated by SIGTERM, conventionally
         assert proc.wait(30) in (0, -signal.SIGTERM)
+        deadline = time.time() + 10  # exited: gone, or a zombie that no init here reaps
+        while any(running(pid) for pid in core):
+            assert time.time() < deadline, "the engine's process outlived the server"
+            time.sleep(0.1)
         assert proc.stdout.read() == ""  # uvicorn's access log goes to stderr with the rest of the log
         assert "leanlm: ready in " in proc.stderr.read()  # its start-up time, printed
     finally:

@@ -154,7 +154,7 @@ def bench(
     if draft or prompt_lookup:
         return _bench_speculative(net, tok, model, draft, prompt_lookup, num_speculative, new_tokens, json_, dtype,
                                   device, threads, chats)
-    if check_fits(net, prompt_tokens, new_tokens) < new_tokens:
+    if check_fits(net.config.max_position, prompt_tokens, new_tokens) < new_tokens:
         _fail(f"--prompt-tokens + --new-tokens exceeds the context window ({net.config.max_position})")
     r = latency.bench(net, model, prompt_tokens, new_tokens, batch, refresh_probe=refresh_probe, compiled=compile)
     if json_:

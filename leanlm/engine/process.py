@@ -128,12 +128,17 @@ class EngineProcess(EngineFront):
                 elif kind == "result":
                     call_id, value, error = args
                     future = self._calls.pop(call_id)
-                    future.set_exception(error) if error is not None else future.set_result(value)
+                    if error is not None:
+                        future.set_exception(error)
+                    else:
+                        future.set_result(value)
                 else:  # "failed"
                     raise args[0]
-        except BaseException as e:
-            error = EngineStopped(f"the engine process exited (code {self._process.exitcode})") \
-                if isinstance(e, (EOFError, OSError)) else e
+        except (EOFError, OSError):
+            self._process.join(5)
+            error = EngineStopped(f"the engine process exited (code {self._process.exitcode})")
+        except BaseException as e:  # what the core sent before it exited
+            error = e
         with self._lock:
             if self._stopped:
                 return

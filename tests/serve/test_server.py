@@ -257,9 +257,10 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_leanlm_serve_drains_on_sigterm(tiny_dir):
+@pytest.mark.parametrize("front", ["--engine-thread", "--engine-process"])
+def test_leanlm_serve_drains_on_sigterm(tiny_dir, front):
     """The CLI verb as deployed (its key from a file, its name the directory's): SIGTERM mid-stream lets the stream
-    finish, then the process exits, and its engine's process with it."""
+    finish, then the process exits, and its engine's process, if it has one, with it."""
     import signal
     import subprocess
 
@@ -267,7 +268,8 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
     key_file = tiny_dir / "key.txt"
     key_file.write_text("from-a-file\n")
     proc = subprocess.Popen(leanlm_command("serve", str(tiny_dir), "--port", str(port), "--dtype", "float32", "--threads",
-                                           "1", "--kv-cache-memory", "16MiB", "--api-key-file", str(key_file)),
+                                           "1", "--kv-cache-memory", "16MiB", "--api-key-file", str(key_file),
+                                           front),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -280,7 +282,7 @@ def test_leanlm_serve_drains_on_sigterm(tiny_dir):
                 time.sleep(0.2)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
         core = [int(pid) for f in Path(f"/proc/{proc.pid}/task").glob("*/children") for pid in f.read_text().split()]
-        assert core  # the engine runs in a process of its own
+        assert bool(core) == (front == "--engine-process")
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="from-a-file", max_retries=0)
         assert [m.id for m in c.models.list().data] == [tiny_dir.name]  # its name, never the path
         stream = c.completions.create(model=tiny_dir.name, prompt="hello", max_tokens=200, temperature=0, stream=True,

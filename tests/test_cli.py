@@ -93,6 +93,7 @@ def test_stdout_is_the_completion_even_when_a_gguf_is_converted_first(tmp_path):
     (["generate", "{dir}", "hi", "--kv-cache", "16"], "use auto"),
     (["serve", "{dir}", "--kv-cache", "fp8"], "auto (the model's dtype), int8 or int4"),
     (["serve", "{dir}", "--prepare-compression", "zip"], "--prepare-compression must be one of"),
+    (["serve", "{dir}", "--replicas", "2", "--engine-process"], "--engine-process is for one server"),
     (["generate", "{dir}", "hi", "--kv-cache", "int4"], "int4 KV cache lives in the serving engine's paged pool"),
     (["generate", "{dir}", "hi", "--regex", "a+", "--max-num-seqs", "0"], "max_num_seqs must be"),
 ])

@@ -99,6 +99,8 @@ def serve(
     if prepare_compression is not None and prepare_compression not in METHODS:
         _fail(f"--prepare-compression must be one of {', '.join(METHODS)}, got {prepare_compression!r}")
     if replicas > 1 or ray_address:
+        if engine_process:
+            _fail("--engine-process is for one server: each Ray replica steps its engine on a thread of its own")
         serve_replicas(model, name, replicas, host, port, api_key, max_requests, config, ray_address,
                        prompt_scorer=prompt_scorer, max_n=max_n, prepare_compression=prepare_compression,
                        dtype=dtype, device=device, threads=threads)

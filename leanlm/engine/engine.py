@@ -20,7 +20,7 @@ from leanlm.engine.runner import Forward, Runner
 from leanlm.engine.scheduler import ScheduledBatch, Scheduler
 from leanlm.engine.sequence import CompletionOutput, Delta, RequestOutput, Sequence
 from leanlm.errors import LeanLMError
-from leanlm.generation.grammar import GrammarCompiler, mask_rows
+from leanlm.generation.grammar import mask_rows
 from leanlm.generation.sampling import SamplingParams, probabilities, sample_rows, token_logprobs
 from leanlm.generation.speculative import LookupProposer, verify
 from leanlm.generation.text import eos_ids
@@ -121,9 +121,6 @@ class Engine:
                      chat: bool = False) -> list[Sequence]:
         """Tokenize and check a request (any thread; engine.intake.Intake.make)."""
         return self.intake.make(request_id, prompt, params, chat)
-
-    def grammars(self) -> GrammarCompiler:
-        return self.intake.grammars()
 
     def stats(self) -> EngineStats:
         """The counters a server reports (plain reads: any thread)."""

@@ -61,7 +61,7 @@ def test_the_core_streams_what_an_engine_thread_does(core, tiny_path):
     assert stats.running == 0 and stats.prefix_queries > 0 and core.error is None
 
 
-def test_bad_requests_are_refused_in_the_front_end(core, tiny_path):
+def test_bad_requests_are_refused_in_the_front_end(core, tiny):
     async def add(prompt, params):
         return core.add_request(prompt, params)
 
@@ -70,7 +70,7 @@ def test_bad_requests_are_refused_in_the_front_end(core, tiny_path):
     with pytest.raises(LeanLMError, match="is not an integer"):
         asyncio.run(add([5, 10_000], SamplingParams(max_tokens=1)))
     with pytest.raises(LeanLMError, match="by name or path"):
-        EngineProcess(AsyncLLM(tiny_path, **OPTIONS), **OPTIONS)
+        EngineProcess(tiny[0], **OPTIONS)  # a model object: only AsyncLLM takes one
     assert core.error is None and core.prefill_seconds(8) > 0
 
 

@@ -56,12 +56,9 @@ AMX_ROWS = 8
 # On AMX CPUs torch's bf16 GEMM and torch._int_mm run on the tiles too, and the timed switches below gave the same
 # count in 6 of 6 timings on a 2-vCPU Sapphire Rapids: fixed there, so that every process takes the same paths
 AMX_BF16_ROWS = AMX_INT8_ROWS = 4
-# W4A16 from this many rows of bf16 x widens its int4 tiles into bf16_packed_gemm's blocks (int4_packed_gemm) where
-# the CPU has AVX512-BF16 (fewer rows read the codes in int4_gemv); more than deterministic mode's tiles of 16 rows,
-# so that mode keeps one path. benchmarks/kernels.py --sections i (Zen 4, 2 threads, a layer's gate_up_proj and
-# down_proj from memory): int4_gemv 526 / 1021 / 4015 us at 32 / 64 / 256 rows, widened 583 / 954 / 3187 (bf16
-# weights packed: 483 / 863 / 3098)
-INT4_PACKED_ROWS = 64
+# Row counts at which W4A16's two CPU products are timed against each other (int4_packed_rows): all above
+# deterministic mode's tiles of 16 rows, so that mode keeps one path
+INT4_TIMED_ROWS = (24, 32, 48, 64, 128, 256)
 TIMED_ROWS = (1, 2, 4, 8, 16)  # row counts at which a kernel is timed against torch's product (faster_rows)
 
 
@@ -306,6 +303,33 @@ def w8a16_rows() -> int:
         _loaded["w8a16_rows"] = (AMX_ROWS if amx() else _measured_once("w8a16_rows", lambda: _time_w8a16_rows(ns))
                                  ) if ns is not None else 0
     return _loaded["w8a16_rows"]
+
+
+def int4_packed_rows() -> int:
+    """Rows of bf16 x from which W4A16 widens its int4 tiles into bf16_packed_gemm's blocks (int4_packed_gemm) rather
+    than reading the codes in int4_gemv, on a CPU with AVX512-BF16 (native_bf16; elsewhere the widening is scalar and
+    this is not asked): the first of INT4_TIMED_ROWS at which the widened tiles were faster, timed once per machine
+    (_measured_once) over eight 3072 x 576 weights in turn. The two cross where a step turns compute-bound, which moves
+    with the CPU: benchmarks/kernels.py --sections i (2 threads, a layer's gate_up_proj and down_proj from memory),
+    Zen 4 int4_gemv 526 / 1021 us at 32 / 64 rows, widened 583 / 954; Zen 5 334 / 658 against 291 / 462."""
+    if "int4_packed_rows" not in _loaded:  # a plain dict, as _loaded: read while torch.compile traces
+        _loaded["int4_packed_rows"] = _measured_once("int4_packed_rows", lambda: _time_int4_packed_rows(ops()))
+    return _loaded["int4_packed_rows"]
+
+
+def _time_int4_packed_rows(ns) -> int:
+    cpu = torch.device("cpu")  # any bytes are codes in int4_gemv's layout: two a byte
+    weights = [torch.randint(0, 256, (3072, 576 // 2), dtype=torch.uint8, device=cpu) for _ in range(8)]
+    scales = (torch.rand(576 // 64, 3072, device=cpu) / 100).bfloat16()
+    zeros = torch.zeros(576 // 64, 3072, device=cpu).bfloat16()
+
+    def product(op):
+        return lambda x, weights: [op(x, w, scales, zeros, 64) for w in weights]
+
+    codes = faster_rows(product(ns.int4_gemv), product(ns.int4_packed_gemm), weights,
+                        lambda m: torch.randn(m, 576, device=cpu).to(torch.bfloat16), INT4_TIMED_ROWS)
+    later = [m for m in INT4_TIMED_ROWS if m > codes]
+    return later[0] if later else INT4_TIMED_ROWS[-1] + 1
 
 
 def amx() -> bool:

@@ -956,7 +956,7 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
 // W4A16 at many rows (prefill, a large batch) on the packed blocks above: each thread widens a block of tiles of the
 // int4 weight (48 weight rows) into bf16_packed_gemm's layout in a buffer of its own (L2), then runs the packed
 // blocks over every row of x against it (widened_gemm). The widening costs what ~8 rows' products cost, so this
-// pays from a few dozen rows (kernels.INT4_PACKED_ROWS). W8A16 has its own packed layout (w8a16_packed_gemm below):
+// pays from a few dozen rows (kernels.int4_packed_rows()). W8A16 has its own packed layout (w8a16_packed_gemm below):
 // widening int8 codes from [N, K] by gathers cost 5x more than their bf16 products at 2 rows.
 
 // y [M, N] bf16 = x [M, K] bf16 times the weight whose tile t widen(t, out) writes as [K / 2, 16, 2] bf16

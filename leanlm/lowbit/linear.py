@@ -172,7 +172,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 class W4A16Linear(_QuantLinearBase):
     """Asymmetric 4-bit weights in groups of 32/64/128 along K, 16-bit activations, leanlm's int4 kernel on CPU
-    (kernels/cpu.cpp); from kernels.INT4_PACKED_ROWS rows of bf16 x (prefill, a large batch) on AVX512-BF16 its tiles
+    (kernels/cpu.cpp); from kernels.int4_packed_rows() rows of bf16 x (prefill, a large batch) on AVX512-BF16 its tiles
     widened into bf16_packed_gemm's blocks.  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
 
     GROUP_SIZES = (32, 64, 128)
@@ -238,7 +238,7 @@ class W4A16Linear(_QuantLinearBase):
         return (q - 8) * self.scales.float().t().repeat_interleave(g, 1) + self.zeros.float().t().repeat_interleave(g, 1)
 
     def row_splits(self) -> tuple[int, ...]:
-        return (kernels.INT4_PACKED_ROWS - 1,) if kernels.native_bf16() else ()
+        return (kernels.int4_packed_rows() - 1,) if kernels.native_bf16() else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and \
@@ -252,7 +252,7 @@ class W4A16Linear(_QuantLinearBase):
         x2d = x.reshape(-1, self.in_features)
         # not on AVX2: scalar widening there, 1.6x int4_gemv's time at 256 rows (Zen 3, kernels.py --sections i). The
         # ISA is asked first: a row count compared where it changes nothing would still split a compiled graph
-        many = kernels.native_bf16() and x2d.dtype == torch.bfloat16 and x2d.shape[0] >= kernels.INT4_PACKED_ROWS
+        many = kernels.native_bf16() and x2d.dtype == torch.bfloat16 and x2d.shape[0] >= kernels.int4_packed_rows()
         int4 = ops.int4_packed_gemm if many else ops.int4_gemv
         return self._finish(int4(x2d, self.weight_packed, self.scales, self.zeros, self.group_size), x)
 

@@ -121,6 +121,27 @@ def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeyp
         assert calls == kernel
 
 
+def test_w4a16_widens_its_tiles_from_the_rows_it_was_measured_faster_at(monkeypatch):
+    """kernels.int4_packed_rows() is measured (one of INT4_TIMED_ROWS, or past them: never), always above
+    deterministic mode's tiles of 16 rows; from it W4A16 on bf16 x runs int4_packed_gemm (AVX512-BF16 only), below it
+    int4_gemv, both close to the dequantized weight's product."""
+    if kernels.ops() is None or not kernels.native_bf16():
+        pytest.skip("the widened tiles run only with AVX512-BF16")
+    assert kernels.int4_packed_rows() in (*kernels.INT4_TIMED_ROWS, kernels.INT4_TIMED_ROWS[-1] + 1)
+    assert min(kernels.INT4_TIMED_ROWS) > 16
+    monkeypatch.setitem(kernels._loaded, "int4_packed_rows", 3)
+    real, calls = kernels.ops(), []
+    fake = type("Ops", (), {"int4_gemv": lambda *a: calls.append("gemv") or real.int4_gemv(*a),
+                            "int4_packed_gemm": lambda *a: calls.append("widened") or real.int4_packed_gemm(*a)})
+    monkeypatch.setattr(kernels, "ops", lambda: fake)
+    q = W4A16Linear.from_float(_linear(256, 48, bias=False), group_size=64)
+    for rows, kernel in ((2, ["gemv"]), (3, ["widened"])):
+        x = torch.randn(rows, 256).bfloat16()
+        calls.clear()
+        torch.testing.assert_close(q(x).float(), x.float() @ q.dequantized_weight().T, rtol=2e-2, atol=5e-2)
+        assert calls == kernel
+
+
 @pytest.mark.parametrize("M,K,N", [(9, 576, 1536), (37, 200, 45), (64, 64, 16), (150, 1536, 576)])
 def test_int8_amx_is_the_float32_sum_of_bf16_products(M, K, N):
     """AMX tiles: the exact products of bf16 activations and int8 codes, summed in float32, then scaled; tails of

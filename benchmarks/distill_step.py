@@ -1,6 +1,6 @@
 """Two revisions of leanlm's distillation step against each other: seconds a training step and peak memory of the
 `distill` recipe step (the trainer AQLM's end-to-end fine-tuning and the int4 QAT step run), each revision in a fresh
-process from its own git worktree, the revisions alternating for --rounds rounds. On a shared VM whose speed moves
+process from its own copy of the sources (git archive, in a temporary folder), the revisions alternating for --rounds rounds. On a shared VM whose speed moves
 between runs, the ratio within one run is the number to trust.
 
     python benchmarks/distill_step.py BASE HEAD [--student DIR] [--teacher smollm2-135m] [--steps 6] [--rounds 2]
@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,13 +52,13 @@ def child(student: str, teacher: str, steps: int) -> None:
     print(json.dumps({"times": times, "peak_mb": peak_rss_mb(), "threads": torch.get_num_threads()}))
 
 
-def worktree(rev: str) -> tuple[str, Path]:
-    """A checkout of `rev` under /tmp (made once per commit)."""
+def sources(rev: str, root: Path) -> tuple[str, Path]:
+    """The files of `rev` under root/<commit> (the repository itself untouched: no worktree or checkout)."""
     sha = subprocess.check_output(["git", "rev-parse", "--short=8", rev], text=True, cwd=REPO).strip()
-    path = Path("/tmp") / f"leanlm-ab-{sha}"
-    if not path.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=REPO, check=True,
-                       capture_output=True)
+    path = root / sha
+    path.mkdir()
+    archive = subprocess.run(["git", "archive", sha], cwd=REPO, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(path)], input=archive, check=True)
     return sha, path
 
 
@@ -71,16 +72,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    trees = [worktree(rev) for rev in args.revs]
-    runs = {sha: [] for sha, _ in trees}
-    err = Console(stderr=True)
-    for r in range(args.rounds):
-        for sha, path in trees:
-            err.print(f"[dim]round {r + 1}: {sha}[/]")
-            env = {**os.environ, "PYTHONPATH": str(path)}
-            out = subprocess.run([sys.executable, __file__, "--child", args.student or args.teacher, args.teacher,
-                                  str(args.steps)], env=env, cwd=path, check=True, capture_output=True, text=True)
-            runs[sha].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryDirectory() as root:
+        trees = [sources(rev, Path(root)) for rev in args.revs]
+        runs = measure(trees, args)
     t = Table(title=f"distill step: student {args.student or args.teacher}, teacher {args.teacher}, 4 x 256 tokens a "
                     f"step, {runs[trees[0][0]][0]['threads']} threads, {args.rounds} rounds of {args.steps} steps")
     for col in ("revision", "s a step (median)", "steps (s)", "peak MB", "vs base"):
@@ -93,6 +87,20 @@ def main() -> None:
         t.add_row(sha, f"{median:.2f}", " ".join(f"{s:.1f}" for s in steady),
                   f"{max(run['peak_mb'] for run in runs[sha]):.0f}", f"{base / median:.2f}x")
     Console(width=160).print(t)
+
+
+def measure(trees: list[tuple[str, Path]], args) -> dict[str, list[dict]]:
+    """commit -> each round's child result, the revisions alternating."""
+    runs = {sha: [] for sha, _ in trees}
+    err = Console(stderr=True)
+    for r in range(args.rounds):
+        for sha, path in trees:
+            err.print(f"[dim]round {r + 1}: {sha}[/]")
+            env = {**os.environ, "PYTHONPATH": str(path)}
+            out = subprocess.run([sys.executable, __file__, "--child", args.student or args.teacher, args.teacher,
+                                  str(args.steps)], env=env, cwd=path, check=True, capture_output=True, text=True)
+            runs[sha].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs
 
 
 if __name__ == "__main__":

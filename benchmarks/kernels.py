@@ -368,8 +368,9 @@ def int4_rows(ops, args) -> None:
     packed (bf16_packed_gemm); a layer's gate_up_proj and down_proj from memory."""
     table = Table(title=f"W4A16 and W4A8 products at many rows, {args.threads} threads: microseconds a layer "
                         "(gate_up_proj and down_proj, x bf16)")
-    for col in ("rows", "leanlm int4_gemv", "leanlm int4_packed_gemm", "W4A8 (int4_q8_gemm, x quantized)",
-                "bf16 weights, packed (bf16_packed_gemm)"):
+    amx = kernels.amx()
+    for col in ("rows", "leanlm int4_gemv", "leanlm int4_packed_gemm", *(["AMX (int4_amx)"] if amx else []),
+                "W4A8 (int4_q8_gemm, x quantized)", "bf16 weights, packed (bf16_packed_gemm)", "bf16 weights (torch)"):
         table.add_column(col, justify="right")
     shapes, g = [SHAPES["gate_up_proj"], SHAPES["down_proj"]], args.group_size
     layers = int(256e6 // sum(n * k for n, k in shapes))
@@ -377,19 +378,22 @@ def int4_rows(ops, args) -> None:
     q8_codes = [[kernels.pack_int4_q8(torch.randint(0, 16, shape, dtype=torch.uint8)) for shape in shapes]
                 for _ in range(layers)]
     groups = [(torch.rand(k // g, n).bfloat16() * 0.01, torch.randn(k // g, n).bfloat16() * 0.01) for n, k in shapes]
-    packed = [[kernels.pack_bf16(torch.randn(shape).bfloat16()) for shape in shapes] for _ in range(layers // 4)]
+    plain = [[torch.randn(shape).bfloat16() for shape in shapes] for _ in range(layers // 4)]  # ~256 MB too
+    packed = [[kernels.pack_bf16(w) for w in layer] for layer in plain]
 
     def per_layer(product):  # xs, one layer's weights -> its two products
         return lambda xs, ws: [product(x, w, *sz) for x, w, sz in zip(xs, ws, groups)]
 
-    products = [per_layer(lambda x, w, s, z: ops.int4_gemv(x, w, s, z, g)),
-                per_layer(lambda x, w, s, z: ops.int4_packed_gemm(x, w, s, z, g)),
-                per_layer(lambda x, w, s, z: ops.int4_q8_gemm(*ops.quantize_rows(x), w, s, z, g, torch.bfloat16)),
-                per_layer(lambda x, w, s, z: ops.bf16_packed_gemm(x, w))]
+    products = [(codes, per_layer(lambda x, w, s, z: ops.int4_gemv(x, w, s, z, g))),
+                (codes, per_layer(lambda x, w, s, z: ops.int4_packed_gemm(x, w, s, z, g))),
+                *([(codes, per_layer(lambda x, w, s, z: ops.int4_amx(x, w, s, z, g)))] if amx else []),
+                (q8_codes, per_layer(lambda x, w, s, z: ops.int4_q8_gemm(*ops.quantize_rows(x), w, s, z, g,
+                                                                         torch.bfloat16))),
+                (packed, per_layer(lambda x, w, s, z: ops.bf16_packed_gemm(x, w))),
+                (plain, per_layer(lambda x, w, s, z: torch.nn.functional.linear(x, w)))]
     for rows in (1, 8, 16, 32, 64, 128, 256):
         xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
-        times = [seconds(fn, [(xs, layer) for layer in (codes, codes, q8_codes, packed)[i]], reps=min(layers, 48))
-                 for i, fn in enumerate(products)]
+        times = [seconds(fn, [(xs, layer) for layer in weights], reps=min(layers, 48)) for weights, fn in products]
         table.add_row(str(rows), *(f"{t * 1e6:.0f}" for t in times))
     Console(width=150).print(table)
 

@@ -419,7 +419,7 @@ def _register_fakes(name: str) -> None:
     def product(x, w, *_):  # x [M, K], w [N, ...] -> [M, N] float32
         return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
-    for op in ("int8_gemv", "int4_gemv", "int8_amx"):
+    for op in ("int8_gemv", "int4_gemv", "int8_amx", "int4_amx"):
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
     torch.library.register_fake(f"{name}::rescale", lambda acc, xs, scale: acc.new_empty(acc.shape,

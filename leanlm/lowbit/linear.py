@@ -172,8 +172,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 class W4A16Linear(_QuantLinearBase):
     """Asymmetric 4-bit weights in groups of 32/64/128 along K, 16-bit activations, leanlm's int4 kernel on CPU
-    (kernels/cpu.cpp); from kernels.int4_packed_rows() rows of bf16 x (prefill, a large batch) on AVX512-BF16 its tiles
-    widened into bf16_packed_gemm's blocks.  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
+    (kernels/cpu.cpp); past kernels.AMX_ROWS rows of bf16 x (many sequences, prefill) on AMX tiles (int4_amx, in
+    kernels/amx.cpp), or without AMX from kernels.int4_packed_rows() rows on AVX512-BF16 its tiles widened into
+    bf16_packed_gemm's blocks.  https://arxiv.org/abs/2210.17323 (group-wise int4 weight-only)"""
 
     GROUP_SIZES = (32, 64, 128)
     BITS = 4
@@ -238,7 +239,8 @@ class W4A16Linear(_QuantLinearBase):
         return (q - 8) * self.scales.float().t().repeat_interleave(g, 1) + self.zeros.float().t().repeat_interleave(g, 1)
 
     def row_splits(self) -> tuple[int, ...]:
-        return (kernels.int4_packed_rows() - 1,) if kernels.native_bf16() else ()
+        return (kernels.AMX_ROWS,) if kernels.amx() else (kernels.int4_packed_rows() - 1,) if kernels.native_bf16() \
+            else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and \
@@ -250,11 +252,19 @@ class W4A16Linear(_QuantLinearBase):
         if not x.is_cpu or (ops := kernels.ops()) is None:
             return self._reference(x)
         x2d = x.reshape(-1, self.in_features)
-        # not on AVX2: scalar widening there, 1.6x int4_gemv's time at 256 rows (Zen 3, kernels.py --sections i). The
-        # ISA is asked first: a row count compared where it changes nothing would still split a compiled graph
+        return self._finish(self._product(ops, x2d)(x2d, self.weight_packed, self.scales, self.zeros,
+                                                    self.group_size), x)
+
+    @staticmethod
+    def _product(ops, x2d: torch.Tensor):
+        """The kernel for these rows. The ISA is asked first: a row count compared where it changes nothing would
+        still split a compiled graph. Past AMX_ROWS int4_amx's tiles are faster from 16 rows (175 against int4_gemv's
+        246 us a layer, 241 / 449 against 446 / 853 at 32 / 64 rows: benchmarks/kernels.py --sections i). The widened
+        packed tiles run on AVX512-BF16 only: scalar widening on AVX2, 1.6x int4_gemv's time at 256 rows (Zen 3)."""
+        if kernels.amx() and x2d.dtype == torch.bfloat16:
+            return ops.int4_amx if x2d.shape[0] > kernels.AMX_ROWS else ops.int4_gemv
         many = kernels.native_bf16() and x2d.dtype == torch.bfloat16 and x2d.shape[0] >= kernels.int4_packed_rows()
-        int4 = ops.int4_packed_gemm if many else ops.int4_gemv
-        return self._finish(int4(x2d, self.weight_packed, self.scales, self.zeros, self.group_size), x)
+        return ops.int4_packed_gemm if many else ops.int4_gemv
 
     def _tinygemm_weights_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """CUDA: (packed weight, scales and zeros) in torch's tinygemm layout, whose grid is ours ((q - 8) * scale +

@@ -121,12 +121,50 @@ def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeyp
         assert calls == kernel
 
 
+def test_w4a16_takes_amx_tiles_past_amx_rows(monkeypatch):
+    """With AMX, W4A16 on bf16 x runs int4_gemv up to AMX_ROWS rows and int4_amx past them (deterministic mode's
+    tiles of 16 rows: always the tiles), both close to the dequantized weight's product; float32 x keeps int4_gemv."""
+    if not kernels.amx():
+        pytest.skip("no AMX tiles here")
+    real, calls = kernels.ops(), []
+    fake = type("Ops", (), {"int4_gemv": lambda *a: calls.append("gemv") or real.int4_gemv(*a),
+                            "int4_amx": lambda *a: calls.append("amx") or real.int4_amx(*a)})
+    monkeypatch.setattr(kernels, "ops", lambda: fake)
+    q = W4A16Linear.from_float(_linear(256, 48, bias=False), group_size=64)
+    assert q.row_splits() == (kernels.AMX_ROWS,)
+    for rows, dtype, kernel in ((kernels.AMX_ROWS, torch.bfloat16, ["gemv"]), (kernels.AMX_ROWS + 1, torch.bfloat16,
+                                ["amx"]), (16, torch.float32, ["gemv"])):
+        x = torch.randn(rows, 256).to(dtype)
+        calls.clear()
+        torch.testing.assert_close(q(x).float(), x.float() @ q.dequantized_weight().T, rtol=2e-2, atol=5e-2)
+        assert calls == kernel
+
+
+@pytest.mark.parametrize("M,K,N,g", [(9, 576, 1536, 64), (16, 128, 16, 32), (37, 256, 48, 128), (70, 1536, 576, 128)])
+def test_int4_amx_is_the_float32_sum_of_exact_products(M, K, N, g):
+    """int4_amx: the codes' exact bf16 products with x summed in float32 per group, then scaled and shifted by the
+    group's scale and zero; rows not a multiple of 16 and more than four row blocks included. A row alone: the same."""
+    if not kernels.amx():
+        pytest.skip("no AMX tiles here")
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    codes = torch.randint(0, 16, (N, K), generator=gen)
+    scales, zeros = (torch.rand(K // g, N, generator=gen) / 10).bfloat16(), (torch.randn(K // g, N, generator=gen) / 10
+                                                                             ).bfloat16()
+    weight = (codes - 8) * scales.double().T.repeat_interleave(g, 1) + zeros.double().T.repeat_interleave(g, 1)
+    expected = x.double() @ weight.T
+    got = kernels.ops().int4_amx(x, pack_int4(codes), scales, zeros, g)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    assert ((got.double() - expected).abs() <= 1e-5 * expected.abs().amax()).all()
+    assert torch.equal(kernels.ops().int4_amx(x[:5].contiguous(), pack_int4(codes), scales, zeros, g), got[:5])
+
+
 def test_w4a16_widens_its_tiles_from_the_rows_it_was_measured_faster_at(monkeypatch):
     """kernels.int4_packed_rows() is measured (one of INT4_TIMED_ROWS, or past them: never), always above
-    deterministic mode's tiles of 16 rows; from it W4A16 on bf16 x runs int4_packed_gemm (AVX512-BF16 only), below it
-    int4_gemv, both close to the dequantized weight's product."""
-    if kernels.ops() is None or not kernels.native_bf16():
-        pytest.skip("the widened tiles run only with AVX512-BF16")
+    deterministic mode's tiles of 16 rows; from it W4A16 on bf16 x runs int4_packed_gemm (AVX512-BF16 without AMX),
+    below it int4_gemv, both close to the dequantized weight's product."""
+    if kernels.ops() is None or not kernels.native_bf16() or kernels.amx():
+        pytest.skip("the widened tiles run only with AVX512-BF16, and not where AMX tiles run")
     assert kernels.int4_packed_rows() in (*kernels.INT4_TIMED_ROWS, kernels.INT4_TIMED_ROWS[-1] + 1)
     assert min(kernels.INT4_TIMED_ROWS) > 16
     monkeypatch.setitem(kernels._loaded, "int4_packed_rows", 3)

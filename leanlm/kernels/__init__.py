@@ -56,6 +56,13 @@ AMX_ROWS = 8
 # On AMX CPUs torch's bf16 GEMM and torch._int_mm run on the tiles too, and the timed switches below gave the same
 # count in 6 of 6 timings on a 2-vCPU Sapphire Rapids: fixed there, so that every process takes the same paths
 AMX_BF16_ROWS = AMX_INT8_ROWS = 4
+# The packed layouts on AMX (a SmolLM2-135M decoder layer's four products from memory, 2 threads, microseconds at
+# 1 / 8 / 32 / 256 rows; benchmarks/kernels.py --sections b, q, w): bf16_packed_amx 281 / 290 / 373 / 1225 against
+# bf16_packed_gemm's 290 / 417 / 1021 / 7835 and torch's 575 / 604 / 645 / 1381, so a PackedLinear runs it at any
+# row count; int8_packed_amx (the same bits as int8_packed_gemm) past AMX_INT8_ROWS, 225 / 745 against 252 / 1284 at
+# 32 / 256 (167 against 142 at one row); w8a16_packed_amx, which widens the codes, past AMX_W8_PACKED_ROWS: 400 / 450
+# / 574 / 1248 against w8a16_packed_gemm's 283 / 468 / 769 / 2967 at 16 / 32 / 64 / 256 rows
+AMX_W8_PACKED_ROWS = 32
 # Row counts at which W4A16's two CPU products are timed against each other (int4_packed_rows): all above
 # deterministic mode's tiles of 16 rows, so that mode keeps one path
 INT4_TIMED_ROWS = (24, 32, 48, 64, 128, 256)
@@ -429,12 +436,15 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::int8_24_gemv", lambda x, values, masks, scale: product(x, values))
     torch.library.register_fake(f"{name}::int8_24_unpack", lambda v, m: v.new_empty(v.shape[0], 2 * v.shape[1]))
     torch.library.register_fake(f"{name}::bf16_gemm", lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
-    torch.library.register_fake(f"{name}::bf16_packed_gemm", lambda x, w: x.new_empty(x.shape[0], 16 * w.shape[0]))
+    for op in ("bf16_packed_gemm", "bf16_packed_amx"):
+        torch.library.register_fake(f"{name}::{op}", lambda x, w: x.new_empty(x.shape[0], 16 * w.shape[0]))
     torch.library.register_fake(f"{name}::int4_packed_gemm", lambda x, w, *_: x.new_empty(x.shape[0], w.shape[0]))
-    torch.library.register_fake(f"{name}::int8_packed_gemm", lambda xq, xs, w, scale, dtype: xq.new_empty(
-        xq.shape[0], 16 * w.shape[0], dtype=dtype))
-    torch.library.register_fake(f"{name}::w8a16_packed_gemm", lambda x, w, scale, dtype: x.new_empty(
-        x.shape[0], 16 * w.shape[0], dtype=dtype))
+    for op in ("int8_packed_gemm", "int8_packed_amx"):
+        torch.library.register_fake(f"{name}::{op}", lambda xq, xs, w, scale, dtype: xq.new_empty(
+            xq.shape[0], 16 * w.shape[0], dtype=dtype))
+    for op in ("w8a16_packed_gemm", "w8a16_packed_amx"):
+        torch.library.register_fake(f"{name}::{op}", lambda x, w, scale, dtype: x.new_empty(
+            x.shape[0], 16 * w.shape[0], dtype=dtype))
     torch.library.register_fake(f"{name}::int4_q8_gemm", lambda xq, xs, w, scales, zeros, g, dtype: xq.new_empty(
         xq.shape[0], 16 * w.shape[0], dtype=dtype))
     torch.library.register_fake(f"{name}::codebook_gemv", lambda x, codes, *_: x.new_empty(

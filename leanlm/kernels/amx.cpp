@@ -27,7 +27,8 @@
 
 #include "common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(LEANLM_PORTABLE)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && \
+    !defined(LEANLM_PORTABLE)
 #define LEANLM_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -162,10 +163,6 @@ at::Tensor int8_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   return y;
 }
 
-inline __m512 bf16x16(const bf16* p) {
-  return _mm512_cvtpbh_ps(__m256bh(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-}
-
 // one 32-input chunk of a 16-channel int4 tile (256 bytes of pack_int4's layout) as tile B: row p holds each
 // channel's bf16 pair (q[2p] - 8, q[2p + 1] - 8)
 inline void widen_int4(const uint8_t* codes, uint32_t* b, __m512i table) {
@@ -180,34 +177,94 @@ inline void widen_int4(const uint8_t* codes, uint32_t* b, __m512i table) {
   }
 }
 
-// chunk ch of the group against the row blocks [r0, r0 + blocks): A from x, B from the widened chunk (tile numbers
-// are literals, hence a macro: C tiles 0-3, A 4-5, B 6-7)
-#define LEANLM_INT4_BLOCK(C, A, B, r)                                     \
-  do {                                                                    \
-    _tile_loadd(A, x + ((r0 + (r)) * 16) * K + k0, 2 * K);                \
-    _tile_dpbf16ps(C, A, B);                                              \
+enum class Dot { bf16, s8u8 };  // tdpbf16ps: bf16 pairs into float32; tdpbsud: signed x bytes by unsigned weight bytes
+
+// chunk ch against the row blocks [r0, r0 + blocks): tile numbers are literals, hence macros (C tiles 0-3, A 4-5,
+// B 6-7)
+#define LEANLM_AMX_DOT(C, A, B) \
+  do {                          \
+    if constexpr (D == Dot::bf16) \
+      _tile_dpbf16ps(C, A, B);  \
+    else                        \
+      _tile_dpbsud(C, A, B);    \
   } while (0)
-#define LEANLM_INT4_CHUNK(B)                                              \
-  do {                                                                    \
-    _tile_loadd(B, wide + ch * 256, 64);                                  \
-    LEANLM_INT4_BLOCK(0, 4, B, 0);                                        \
-    if (blocks > 1) LEANLM_INT4_BLOCK(1, 5, B, 1);                        \
-    if (blocks > 2) LEANLM_INT4_BLOCK(2, 4, B, 2);                        \
-    if (blocks > 3) LEANLM_INT4_BLOCK(3, 5, B, 3);                        \
+#define LEANLM_AMX_BLOCK(C, A, B, r)                           \
+  do {                                                         \
+    _tile_loadd(A, x + (r0 + (r)) * 16 * ldx + ch * 64, ldx);  \
+    LEANLM_AMX_DOT(C, A, B);                                   \
+  } while (0)
+#define LEANLM_AMX_CHUNK(B)                       \
+  do {                                            \
+    _tile_loadd(B, b + ch * 1024, 64);            \
+    LEANLM_AMX_BLOCK(0, 4, B, 0);                 \
+    if (blocks > 1) LEANLM_AMX_BLOCK(1, 5, B, 1); \
+    if (blocks > 2) LEANLM_AMX_BLOCK(2, 4, B, 2); \
+    if (blocks > 3) LEANLM_AMX_BLOCK(3, 5, B, 3); \
   } while (0)
 
-// y [M, N] float32 from x [Mp, K] bf16 (Mp = M rounded up to 16, rows past M zero), xsum [G, Mp]
-void int4_tiles(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* w, const bf16* scales,
-                const bf16* zeros, int64_t g, const float* xsum, int64_t N, float* y) {
-  const int64_t G = K / g, per_group = g / 32, row_blocks = Mp / 16;
-#pragma omp parallel
-  {
+// The tile state of one thread, all 8 tiles 16 rows of 64 bytes, configured on entry and released on exit
+struct Tiles {
+  Tiles() {
     TileConfig config;
     for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
     _tile_loadconfig(&config);
-    alignas(64) uint32_t wide_buf[4 * 256];  // a group's chunks as B tiles (g <= 128)
+  }
+  ~Tiles() { _tile_release(); }
+};
+
+// One 16-channel tile of y from every row of x: `chunks` chunks of 64 bytes of each row of x (blocks of 16 rows, ldx
+// bytes apart) times B tiles of 1 KiB each from b, four row blocks at a time: four independent chains, each B tile
+// loaded once per four blocks. epilogue(block, c) takes a block's 16 x 16 sums (rows of x by channels) from c.
+template <Dot D, typename Epilogue>
+void tile_rows(const char* x, int64_t ldx, int64_t row_blocks, const char* b, int64_t chunks, void* c,
+               Epilogue&& epilogue) {
+  for (int64_t r0 = 0; r0 < row_blocks; r0 += 4) {
+    const int64_t blocks = std::min<int64_t>(4, row_blocks - r0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      if (ch % 2 == 0)
+        LEANLM_AMX_CHUNK(6);
+      else
+        LEANLM_AMX_CHUNK(7);
+    }
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      switch (blk) {
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
+      }
+      epilogue(r0 + blk, c);
+    }
+  }
+}
+
+// x's M rows of `row` bytes, as rows rounded up to 16 (a tile reads 16): x itself, or a zero-padded copy in buf
+const char* whole_blocks(const void* x, int64_t M, int64_t row, std::vector<char>& buf) {
+  if (M % 16 == 0) return static_cast<const char*>(x);
+  buf.assign((M + 15) / 16 * 16 * row, 0);
+  std::memcpy(buf.data(), x, M * row);
+  return buf.data();
+}
+
+// 16 float32 sums to a row of y, as they are or rounded to bf16 once
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+inline void store16(uint16_t* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// y [M, N] float32 from x (rows rounded up to 16, ldx = 2K bytes apart), xsum [G, Mp]
+void int4_tiles(const char* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* w, const bf16* scales,
+                const bf16* zeros, int64_t g, const float* xsum, int64_t N, float* y) {
+  const int64_t G = K / g, per_group = g / 32;
+#pragma omp parallel
+  {
+    Tiles tiles;
+    alignas(64) uint32_t wide[4 * 256];  // a group's chunks as B tiles (g <= 128)
     alignas(64) float c[16 * 16];
-    uint32_t* wide = wide_buf;
     __m512i table;  // word q: bf16(q - 8)
     {
       alignas(64) uint16_t t[32];
@@ -221,37 +278,17 @@ void int4_tiles(const uint16_t* x, int64_t M, int64_t Mp, int64_t K, const uint8
         for (int64_t ch = 0; ch < per_group; ++ch)  // a tile is 8K bytes, a chunk of it 256
           widen_int4(w + tile * 8 * K + (grp * per_group + ch) * 256, wide + ch * 256, table);
         const __m512 s = bf16x16(scales + grp * N + n0), z = bf16x16(zeros + grp * N + n0);
-        for (int64_t r0 = 0; r0 < row_blocks; r0 += 4) {
-          const int64_t blocks = std::min<int64_t>(4, row_blocks - r0);
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t ch = 0; ch < per_group; ++ch) {
-            const int64_t k0 = grp * g + ch * 32;
-            if (ch % 2 == 0) LEANLM_INT4_CHUNK(6);
-            else LEANLM_INT4_CHUNK(7);
-          }
-          for (int64_t blk = 0; blk < blocks; ++blk) {
-            switch (blk) {
-              case 0: _tile_stored(0, c, 64); break;
-              case 1: _tile_stored(1, c, 64); break;
-              case 2: _tile_stored(2, c, 64); break;
-              default: _tile_stored(3, c, 64); break;
-            }
-            for (int64_t r = 0; r < 16; ++r) {
-              const int64_t m = (r0 + blk) * 16 + r;
-              if (m >= M) break;
-              float* out = y + m * N + n0;
-              const __m512 sums =
-                  _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, _mm512_mul_ps(_mm512_set1_ps(xsum[grp * Mp + m]), z));
-              _mm512_storeu_ps(out, grp == 0 ? sums : _mm512_add_ps(_mm512_loadu_ps(out), sums));
-            }
-          }
-        }
+        tile_rows<Dot::bf16>(x + grp * g * 2, 2 * K, Mp / 16, reinterpret_cast<const char*>(wide), per_group, c,
+                             [&](int64_t block, const void*) {
+                               for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m) {
+                                 float* out = y + m * N + n0;
+                                 const __m512 sums = _mm512_fmadd_ps(
+                                     _mm512_load_ps(c + 16 * r), s, _mm512_mul_ps(_mm512_set1_ps(xsum[grp * Mp + m]), z));
+                                 _mm512_storeu_ps(out, grp == 0 ? sums : _mm512_add_ps(_mm512_loadu_ps(out), sums));
+                               }
+                             });
       }
     }
-    _tile_release();
   }
 }
 
@@ -269,12 +306,6 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(tiles_granted(), "int4_amx: the kernel did not grant this process the AMX tile state");
   const int64_t Mp = (M + 15) / 16 * 16;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  std::vector<uint16_t> padded;  // x's rows rounded up to 16 with zero rows: a tile reads 16
-  if (Mp != M) {
-    padded.assign(Mp * K, 0);
-    std::copy(xs, xs + M * K, padded.begin());
-    xs = padded.data();
-  }
   std::vector<float> xsum(G * Mp, 0.f);  // [G, Mp]: each group's sum of x, for the zero points
   for (int64_t m = 0; m < M; ++m)
     for (int64_t grp = 0; grp < G; ++grp) {
@@ -283,9 +314,146 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
         sum += float(c10::BFloat16(xs[m * K + k], c10::BFloat16::from_bits()));
       xsum[grp * Mp + m] = sum;
     }
+  std::vector<char> padded;
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  int4_tiles(xs, M, Mp, K, w.data_ptr<uint8_t>(), reinterpret_cast<const bf16*>(scales.data_ptr<at::BFloat16>()),
+  int4_tiles(whole_blocks(xs, M, 2 * K, padded), M, Mp, K, w.data_ptr<uint8_t>(),
+             reinterpret_cast<const bf16*>(scales.data_ptr<at::BFloat16>()),
              reinterpret_cast<const bf16*>(zeros.data_ptr<at::BFloat16>()), g, xsum.data(), N, y.data_ptr<float>());
+  return y;
+}
+
+// bf16_packed_gemm's product on AMX: the packed weight [N / 16, K / 2, 16, 2] is tile B's layout as it is (a
+// 32-input chunk of a 16-channel tile: 1 KiB, pairs of inputs by channels), x's rows tile A. y [M, N] bf16, float32
+// sums rounded once.
+at::Tensor bf16_packed_amx(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "bf16_packed_amx: x [M, K] bf16");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.scalar_type() == at::kBFloat16 &&
+                  w.is_contiguous() && 2 * w.size(1) == x.size(1) && x.size(1) % 32 == 0,
+              "bf16_packed_amx: w packed [N / 16, K / 2, 16, 2] bf16 with K a multiple of 32, got ", w.sizes());
+  TORCH_CHECK(tiles_granted(), "bf16_packed_amx: the kernel did not grant this process the AMX tile state");
+  const int64_t M = x.size(0), K = x.size(1), N = 16 * w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  std::vector<char> padded;
+  const char* xp = whole_blocks(x.data_ptr<at::BFloat16>(), M, 2 * K, padded);
+  const char* wp = reinterpret_cast<const char*>(w.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#pragma omp parallel
+  {
+    Tiles tiles;
+    alignas(64) float c[16 * 16];
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N / 16; ++t)
+      tile_rows<Dot::bf16>(xp, 2 * K, (M + 15) / 16, wp + t * 32 * K, K / 32, c, [&](int64_t block, const void*) {
+        for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m)
+          store16(yp + m * N + t * 16, _mm512_load_ps(c + 16 * r));
+      });
+  }
+  return y;
+}
+
+// int8_packed_gemm's product on AMX (AMX-INT8): the packed weight [N / 16, K / 4, 16, 4] (codes + 128) is tile B's
+// layout as it is, x's int8 codes tile A; int32 sums sum_k xq (w + 128), exact, less 128 sum_k xq; then
+// y = float(sum) * xs[m] * scale[n] in that order: the bits of int8_packed_gemm.
+template <typename Out>
+void q8_packed_amx(const char* xq, const int32_t* xsum, const float* xs, const uint8_t* w, const float* scale,
+                   Out* y, int64_t M, int64_t N, int64_t K) {
+#pragma omp parallel
+  {
+    Tiles tiles;
+    alignas(64) int32_t c[16 * 16];
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N / 16; ++t) {
+      const __m512 sc = _mm512_loadu_ps(scale + t * 16);
+      tile_rows<Dot::s8u8>(xq, K, (M + 15) / 16, reinterpret_cast<const char*>(w + t * 16 * K), K / 64, c,
+                           [&](int64_t block, const void*) {
+                             for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m) {
+                               const __m512i sums = _mm512_sub_epi32(_mm512_load_si512(c + 16 * r),
+                                                                     _mm512_set1_epi32(128 * xsum[m]));
+                               const __m512 v = _mm512_mul_ps(
+                                   _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(xs[m])), sc);
+                               store16(y + m * N + t * 16, v);
+                             }
+                           });
+    }
+  }
+}
+
+at::Tensor int8_packed_amx(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& scale,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 4 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "int8_packed_amx: w packed [N / 16, K / 4, 16, 4] uint8, got ", w.sizes());
+  const int64_t M = xq.size(0), K = 4 * w.size(1), N = 16 * w.size(0);
+  TORCH_CHECK(K % 64 == 0 && K <= 32768, "int8_packed_amx: K (", K, ") a multiple of 64, at most 32768");
+  TORCH_CHECK(xq.dim() == 2 && xq.size(1) == K && xq.scalar_type() == at::kChar && xq.is_contiguous(),
+              "int8_packed_amx: contiguous int8 codes xq [M, K]");
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.numel() == M && xs.is_contiguous() &&
+                  scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
+              "int8_packed_amx: float32 scales of x [M] and of the weight [N]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int8_packed_amx writes float32 or bfloat16");
+  TORCH_CHECK(tiles_granted(), "int8_packed_amx: the kernel did not grant this process the AMX tile state");
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  std::vector<int32_t> xsum(M);
+  for (int64_t m = 0; m < M; ++m) xsum[m] = std::accumulate(xp + m * K, xp + (m + 1) * K, int32_t(0));
+  std::vector<char> padded;
+  const char* x = whole_blocks(xp, M, K, padded);
+  at::Tensor y = at::empty({M, N}, xq.options().dtype(dtype));
+  if (dtype == at::kFloat)
+    q8_packed_amx(x, xsum.data(), xs.data_ptr<float>(), w.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                  y.data_ptr<float>(), M, N, K);
+  else
+    q8_packed_amx(x, xsum.data(), xs.data_ptr<float>(), w.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                  reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K);
+  return y;
+}
+
+// w8a16_packed_gemm's product on AMX: the packed int8 codes [N / 16, K / 2, 16, 2] are tile B's layout but for their
+// width; a 16-channel tile's codes are widened to bf16 (exact) once a call into a buffer of B tiles. x's bf16 rows
+// are tile A as they are (not rounded to int16 as w8a16_packed_gemm rounds them); float32 sums times scale[n].
+template <typename Out>
+void w8_packed_amx(const char* x, const int8_t* w, const bf16* scale, Out* y, int64_t M, int64_t N, int64_t K) {
+#pragma omp parallel
+  {
+    Tiles tiles;
+    alignas(64) float c[16 * 16];
+    std::vector<uint16_t> wide(16 * K);  // a tile's codes as bf16 B tiles: K / 32 chunks of 16 x 32
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N / 16; ++t) {
+      const int8_t* codes = w + t * 16 * K;
+      for (int64_t i = 0; i < 16 * K; i += 32) {  // 16 channels x 2 inputs (a row of B) a step, widened as int8_amx's
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i + 16));
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+                                                  _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+        _mm512_storeu_si512(wide.data() + i, reinterpret_cast<__m512i>(both));
+      }
+      const __m512 sc = bf16x16(scale + t * 16);
+      tile_rows<Dot::bf16>(x, 2 * K, (M + 15) / 16, reinterpret_cast<const char*>(wide.data()), K / 32, c,
+                           [&](int64_t block, const void*) {
+                             for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m)
+                               store16(y + m * N + t * 16, _mm512_mul_ps(_mm512_load_ps(c + 16 * r), sc));
+                           });
+    }
+  }
+}
+
+at::Tensor w8a16_packed_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "w8a16_packed_amx: w packed [N / 16, K / 2, 16, 2] int8, got ", w.sizes());
+  const int64_t M = x.size(0), K = 2 * w.size(1), N = 16 * w.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 32 == 0 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "w8a16_packed_amx: contiguous bf16 x [M, K] with K (", K, ") a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N && scale.is_contiguous(),
+              "w8a16_packed_amx: bf16 scales [N]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "w8a16_packed_amx writes float32 or bfloat16");
+  TORCH_CHECK(tiles_granted(), "w8a16_packed_amx: the kernel did not grant this process the AMX tile state");
+  std::vector<char> padded;
+  const char* xp = whole_blocks(x.data_ptr<at::BFloat16>(), M, 2 * K, padded);
+  const bf16* sp = scale.data_ptr<bf16>();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(dtype));
+  if (dtype == at::kFloat)
+    w8_packed_amx(xp, w.data_ptr<int8_t>(), sp, y.data_ptr<float>(), M, N, K);
+  else
+    w8_packed_amx(xp, w.data_ptr<int8_t>(), sp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K);
   return y;
 }
 
@@ -299,6 +467,18 @@ at::Tensor int4_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
   TORCH_CHECK(false, "int4_amx: this build has no AMX loops (the CPU or the compiler lacks AMX)");
 }
 
+at::Tensor bf16_packed_amx(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "bf16_packed_amx: this build has no AMX loops (the CPU or the compiler lacks AMX)");
+}
+
+at::Tensor int8_packed_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType) {
+  TORCH_CHECK(false, "int8_packed_amx: this build has no AMX loops (the CPU or the compiler lacks AMX)");
+}
+
+at::Tensor w8a16_packed_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType) {
+  TORCH_CHECK(false, "w8a16_packed_amx: this build has no AMX loops (the CPU or the compiler lacks AMX)");
+}
+
 bool amx() { return false; }
 #endif
 
@@ -308,9 +488,15 @@ TORCH_LIBRARY_FRAGMENT(LEANLM_NS, m) {
   m.def("amx() -> bool", amx);  // int8_amx can run here
   m.def("int8_amx(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int4_amx(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("bf16_packed_amx(Tensor x, Tensor w) -> Tensor");
+  m.def("int8_packed_amx(Tensor xq, Tensor xs, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
+  m.def("w8a16_packed_amx(Tensor x, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int8_amx", int8_amx);
   m.impl("int4_amx", int4_amx);
+  m.impl("bf16_packed_amx", bf16_packed_amx);
+  m.impl("int8_packed_amx", int8_packed_amx);
+  m.impl("w8a16_packed_amx", w8a16_packed_amx);
 }

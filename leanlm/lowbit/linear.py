@@ -446,7 +446,10 @@ class PackedW8A8Linear(W8A8Linear):
         return kernels.unpack_int8(self.packed)
 
     def row_splits(self) -> tuple[int, ...]:
-        return ()  # one kernel at any row count
+        return (kernels.AMX_INT8_ROWS,) if self._amx() else ()  # else one kernel at any row count
+
+    def _amx(self) -> bool:
+        return kernels.amx() and self.in_features % 64 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
@@ -455,7 +458,9 @@ class PackedW8A8Linear(W8A8Linear):
         x_q, xs = self.activation_codes(x2d, ops)
         # in x's dtype by the kernel, or float32 where a bias is added first (one rounding, as W8A8Linear)
         dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) and self.bias is None else torch.float32
-        return self._finish(ops.int8_packed_gemm(x_q, xs, self.packed, self.scales, dtype), x)
+        # AMX-INT8 tiles on the same layout past a few rows: the same bits
+        product = ops.int8_packed_amx if self._amx() and x2d.shape[0] > kernels.AMX_INT8_ROWS else ops.int8_packed_gemm
+        return self._finish(product(x_q, xs, self.packed, self.scales, dtype), x)
 
 
 class PackedW8A16Linear(W8A16Linear):
@@ -463,7 +468,8 @@ class PackedW8A16Linear(W8A16Linear):
     (kernels.pack_pairs) for every row count: x rounded to int16 as int8_gemv rounds it, products by `vpdpwssd`
     (AVX2: `vpmaddwd`) on packed tiles with no horizontal sums, and no bf16 copy of the codes past int8_gemv's rows
     (W8A16Linear without AMX widens all its codes for each such product). A row's output does not depend on its
-    batch. No backward; `weight` unpacks a copy of the codes."""
+    batch, except on AMX CPUs past AMX_W8_PACKED_ROWS rows, where the codes are widened to bf16 for AMX tiles against
+    x's bf16 rows (w8a16_packed_amx). No backward; `weight` unpacks a copy of the codes."""
 
     def __init__(self, layer: W8A16Linear, in_place: bool = False):
         """in_place: write the packed layout over the layer's own codes (see PackedLinear)."""
@@ -479,7 +485,10 @@ class PackedW8A16Linear(W8A16Linear):
         return kernels.unpack_pairs(self.packed)
 
     def row_splits(self) -> tuple[int, ...]:
-        return ()  # one kernel at any row count
+        return (kernels.AMX_W8_PACKED_ROWS,) if self._amx() else ()  # else one kernel at any row count
+
+    def _amx(self) -> bool:
+        return kernels.amx() and self.in_features % 32 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
@@ -487,6 +496,8 @@ class PackedW8A16Linear(W8A16Linear):
             return self._reference(x)
         # in x's dtype by the kernel, or float32 where a bias is added first (one rounding, as W8A16Linear)
         dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) and self.bias is None else torch.float32
+        if self._amx() and x2d.dtype == torch.bfloat16 and x2d.shape[0] > kernels.AMX_W8_PACKED_ROWS:
+            return self._finish(ops.w8a16_packed_amx(x2d.contiguous(), self.packed, self.scales, dtype), x)
         return self._finish(ops.w8a16_packed_gemm(x2d, self.packed, self.scales, dtype), x)
 
 

@@ -222,3 +222,56 @@ def test_the_fused_elementwise_ops_keep_the_logits(tiny_dir, monkeypatch):
     assert len(used) >= 3 * model.config.num_layers  # every layer's two norms and its MLP at least
     assert (fused - plain).abs().max() <= 0.03 * plain.abs().max()
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+
+
+needs_amx = pytest.mark.skipif(not kernels.amx(), reason="no AMX tiles here")
+
+
+@needs_amx
+@pytest.mark.parametrize("M,K,N", [(1, 576, 64), (17, 576, 1536), (70, 1536, 576)])
+def test_amx_products_on_the_packed_layouts(M, K, N):
+    """bf16_packed_amx and w8a16_packed_amx: float32 sums of exact products (bf16 rows, bf16 weights or int8 codes),
+    a row's bits the same alone; int8_packed_amx: int8_packed_gemm's bits (exact int32 sums, the same epilogue)."""
+    gen = torch.Generator().manual_seed(M)
+    ops, x = kernels.ops(), torch.randn(M, K, generator=gen).bfloat16()
+    w = torch.randn(N, K, generator=gen).bfloat16()
+    exact = x.double() @ w.double().T
+    got = ops.bf16_packed_amx(x, kernels.pack_bf16(w))
+    assert got.dtype == torch.bfloat16 and ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5).all()
+    assert torch.equal(ops.bf16_packed_amx(x[-1:].contiguous(), kernels.pack_bf16(w)), got[-1:])
+    codes, scale = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8), torch.rand(N).bfloat16()
+    exact = (x.double() @ codes.double().T) * scale.double()
+    got = ops.w8a16_packed_amx(x, kernels.pack_pairs(codes), scale, torch.float32)
+    assert ((got.double() - exact).abs() <= 1e-5 * exact.abs().amax()).all()
+    xq, xs = ops.quantize_rows(x)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = ops.int8_packed_gemm(xq, xs, kernels.pack_int8(codes), scale.float(), dtype)
+        assert torch.equal(ops.int8_packed_amx(xq, xs, kernels.pack_int8(codes), scale.float(), dtype), want)
+
+
+@needs_amx
+def test_packed_layers_take_amx_tiles(monkeypatch):
+    """On AMX: a PackedLinear (K a multiple of 32) at any row count, PackedW8A8Linear past AMX_INT8_ROWS (K a
+    multiple of 64), PackedW8A16Linear past AMX_W8_PACKED_ROWS on bf16 rows; the vector loops otherwise."""
+    real, calls = kernels.ops(), []
+    names = ("bf16_packed_amx", "bf16_packed_gemm", "int8_packed_amx", "int8_packed_gemm", "w8a16_packed_amx",
+             "w8a16_packed_gemm", "quantize_rows")
+    fake = type("Ops", (), {n: staticmethod(lambda *a, n=n: calls.append(n) or getattr(real, n)(*a)) for n in names})
+    monkeypatch.setattr(kernels, "ops", lambda: fake)
+    torch.manual_seed(0)
+    cases = [(PackedLinear(_linear(48, 64)), 1, "bf16_packed_amx"), (PackedLinear(_linear(48, 200)), 9,
+                                                                     "bf16_packed_gemm")]
+    for K in (128, 96):
+        w8a8 = PackedW8A8Linear(W8A8Linear.from_float(torch.nn.Linear(K, 48)))
+        cases += [(w8a8, kernels.AMX_INT8_ROWS, "int8_packed_gemm"),
+                  (w8a8, kernels.AMX_INT8_ROWS + 1, "int8_packed_amx" if K % 64 == 0 else "int8_packed_gemm")]
+    w8a16 = PackedW8A16Linear(W8A16Linear.from_float(torch.nn.Linear(64, 48)))
+    cases += [(w8a16, kernels.AMX_W8_PACKED_ROWS, "w8a16_packed_gemm"),
+              (w8a16, kernels.AMX_W8_PACKED_ROWS + 1, "w8a16_packed_amx")]
+    for layer, rows, kernel in cases:
+        x = torch.randn(rows, layer.in_features).bfloat16()
+        calls.clear()
+        weight = layer.weight.float() * (layer.scales.float()[:, None] if hasattr(layer, "scales") else 1)
+        torch.testing.assert_close(layer(x).float(), x.float() @ weight.T + (0 if layer.bias is None else
+                                   layer.bias.float()), rtol=3e-2, atol=3e-2)
+        assert [c for c in calls if c != "quantize_rows"] == [kernel]

@@ -88,7 +88,8 @@ def many_rows(ops, args) -> None:
     table = Table(title=f"W8A16 products at many rows, {args.threads} threads: microseconds a layer (gate_up_proj "
                         "and down_proj, x bf16)")
     for col in ("rows", "leanlm int8 (int8_gemv)", "leanlm AMX (int8_amx)", "widened codes + bf16 GEMM",
-                "leanlm packed codes (w8a16_packed_gemm)", "bf16 weights (torch)", "bf16 packed (bf16_packed_gemm)"):
+                "leanlm packed codes (w8a16_packed_gemm)", "packed codes, AMX (w8a16_packed_amx)",
+                "bf16 weights (torch)", "bf16 packed (bf16_packed_gemm)"):
         table.add_column(col, justify="right")
     shapes = [SHAPES["gate_up_proj"], SHAPES["down_proj"]]
     layers = int(256e6 // sum(n * k for n, k in shapes))
@@ -108,6 +109,8 @@ def many_rows(ops, args) -> None:
         times = [seconds(fn, [(xs, layer) for layer in codes], reps=layers) if fn else None for fn in products]
         times.append(seconds(per_layer(lambda x, w, s: ops.w8a16_packed_gemm(x, w, s, torch.bfloat16)),
                              [(xs, layer) for layer in packed], reps=layers))
+        times.append(seconds(per_layer(lambda x, w, s: ops.w8a16_packed_amx(x, w, s, torch.bfloat16)),
+                             [(xs, layer) for layer in packed], reps=layers) if kernels.amx() else None)
         times.append(seconds(per_layer(lambda x, w, s: torch.nn.functional.linear(x, w)),
                              [(xs, layer) for layer in wide], reps=layers))
         times.append(seconds(per_layer(lambda x, w, s: ops.bf16_packed_gemm(x, w)),
@@ -126,8 +129,8 @@ def w8a8_rows(ops, args) -> None:
 
     table = Table(title=f"W8A8 products, {args.threads} threads: microseconds a layer (gate_up_proj and down_proj) "
                         "and G multiply-adds a second")
-    for col in ("rows", "leanlm (int8_gemv_q8)", "leanlm packed (int8_packed_gemm)", "_int_mm + rescale",
-                "_int_mm + tensor ops", "bf16 weights (torch)"):
+    for col in ("rows", "leanlm (int8_gemv_q8)", "leanlm packed (int8_packed_gemm)", "packed, AMX (int8_packed_amx)",
+                "_int_mm + rescale", "_int_mm + tensor ops", "bf16 weights (torch)"):
         table.add_column(col, justify="right")
     shapes = [SHAPES["gate_up_proj"], SHAPES["down_proj"]]
     layers = int(256e6 // sum(n * k for n, k in shapes))
@@ -141,6 +144,8 @@ def w8a8_rows(ops, args) -> None:
 
     products = [per_layer(lambda x, w, s: ops.int8_gemv_q8(x[0], x[1], w, s)),
                 per_layer(lambda x, w, s: ops.int8_packed_gemm(x[0], x[1], w, s, torch.float32)),
+                per_layer(lambda x, w, s: ops.int8_packed_amx(x[0], x[1], w, s, torch.float32)) if kernels.amx()
+                else None,
                 per_layer(lambda x, w, s: ops.rescale(int8_matmul(x[0], w), x[1], s)),
                 per_layer(lambda x, w, s: int8_matmul(x[0], w).float() * x[1][:, None] * s),
                 per_layer(lambda x, w, s: torch.nn.functional.linear(x[2], w))]
@@ -150,9 +155,9 @@ def w8a8_rows(ops, args) -> None:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             xs.append((*ops.quantize_rows(x), x))
         macs = rows * sum(n * k for n, k in shapes)
-        times = [seconds(fn, [(xs, layer) for layer in {1: packed, 4: wide}.get(i, codes)],
-                         reps=min(layers, 48)) for i, fn in enumerate(products)]
-        table.add_row(str(rows), *(f"{t * 1e6:.0f} ({macs / t / 1e9:.0f})" for t in times))
+        times = [seconds(fn, [(xs, layer) for layer in {1: packed, 2: packed, 5: wide}.get(i, codes)],
+                         reps=min(layers, 48)) if fn else None for i, fn in enumerate(products)]
+        table.add_row(str(rows), *(f"{t * 1e6:.0f} ({macs / t / 1e9:.0f})" if t else "-" for t in times))
     Console(width=150).print(table)
 
 
@@ -369,7 +374,8 @@ def int4_rows(ops, args) -> None:
     table = Table(title=f"W4A16 and W4A8 products at many rows, {args.threads} threads: microseconds a layer "
                         "(gate_up_proj and down_proj, x bf16)")
     amx = kernels.amx()
-    for col in ("rows", "leanlm int4_gemv", "leanlm int4_packed_gemm", *(["AMX (int4_amx)"] if amx else []),
+    for col in ("rows", "leanlm int4_gemv", "leanlm int4_packed_gemm",
+                *(["AMX (int4_amx)", "AMX, weight to bf16 (int4_dequant_amx)"] if amx else []),
                 "W4A8 (int4_q8_gemm, x quantized)", "bf16 weights, packed (bf16_packed_gemm)", "bf16 weights (torch)"):
         table.add_column(col, justify="right")
     shapes, g = [SHAPES["gate_up_proj"], SHAPES["down_proj"]], args.group_size
@@ -386,7 +392,8 @@ def int4_rows(ops, args) -> None:
 
     products = [(codes, per_layer(lambda x, w, s, z: ops.int4_gemv(x, w, s, z, g))),
                 (codes, per_layer(lambda x, w, s, z: ops.int4_packed_gemm(x, w, s, z, g))),
-                *([(codes, per_layer(lambda x, w, s, z: ops.int4_amx(x, w, s, z, g)))] if amx else []),
+                *([(codes, per_layer(lambda x, w, s, z: ops.int4_amx(x, w, s, z, g))),
+                   (codes, per_layer(lambda x, w, s, z: ops.int4_dequant_amx(x, w, s, z, g)))] if amx else []),
                 (q8_codes, per_layer(lambda x, w, s, z: ops.int4_q8_gemm(*ops.quantize_rows(x), w, s, z, g,
                                                                          torch.bfloat16))),
                 (packed, per_layer(lambda x, w, s, z: ops.bf16_packed_gemm(x, w))),
@@ -401,14 +408,16 @@ def int4_rows(ops, args) -> None:
 def bf16_rows(ops, args) -> None:
     """bf16 products of a whole decoder layer (qkv, o, gate_up and down_proj) at 1-256 rows, the layers' weights
     rotating through ~256 MB of copies: torch's GEMM, bf16_gemm (plain [N, K] weights) and bf16_packed_gemm (the
-    same weights packed by kernels.pack_bf16)."""
+    same weights packed by kernels.pack_bf16), and with AMX bf16_packed_amx on the packed weights."""
     dtype = "bfloat16" if runtime.CPU_BF16_GEMM else "float32"  # the GEMM a bf16 Linear runs here
     peak = peaks("cpu", args.threads).matmul_gflops[dtype]
     table = Table(title=f"bf16 products of a decoder layer from memory, {args.threads} threads, {ops.bf16_isa()} "
                         f"loops: microseconds (GFLOP/s, share of the {peak:.0f} GFLOP/s the probe's large {dtype} "
                         "GEMM reaches)")
+    amx = kernels.amx()
     for col in ("rows", "torch (F.linear)" if runtime.CPU_BF16_GEMM else "torch, float32 (no bf16 GEMM here)",
-                "leanlm bf16_gemm", "leanlm bf16_packed_gemm"):
+                "leanlm bf16_gemm", "leanlm bf16_packed_gemm", *(["AMX on the packed weight (bf16_packed_amx)"]
+                                                                 if amx else [])):
         table.add_column(col, justify="right")
     shapes = [SHAPES[name] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
     layers = int(256e6 // (2 * sum(n * k for n, k in shapes)))
@@ -417,12 +426,13 @@ def bf16_rows(ops, args) -> None:
     def upcast(x, w):  # what a bf16 Linear runs where torch's bf16 GEMM is slow (models.layers.Linear)
         return torch.nn.functional.linear(x.float(), w.float()).bfloat16()
 
-    products = [torch.nn.functional.linear if runtime.CPU_BF16_GEMM else upcast, ops.bf16_gemm, ops.bf16_packed_gemm]
+    products = [torch.nn.functional.linear if runtime.CPU_BF16_GEMM else upcast, ops.bf16_gemm, ops.bf16_packed_gemm,
+                *([ops.bf16_packed_amx] if amx else [])]
     for rows in (1, 2, 4, 8, 16, 32, 64, 256):
         xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes]
         flops = 2 * rows * sum(n * k for n, k in shapes)
         cells = []
-        for product, weights in zip(products, (plain, plain, packed)):
+        for product, weights in zip(products, (plain, plain, packed, packed)):
             t = seconds(lambda xs, ws: [product(x, w) for x, w in zip(xs, ws)], [(xs, ws) for ws in weights],
                         reps=layers)
             cells.append(f"{t * 1e6:.0f} ({flops / t / 1e9:.0f}, {flops / t / 1e9 / peak:.0%})")

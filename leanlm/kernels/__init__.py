@@ -63,6 +63,11 @@ AMX_BF16_ROWS = AMX_INT8_ROWS = 4
 # 32 / 256 (167 against 142 at one row); w8a16_packed_amx, which widens the codes, past AMX_W8_PACKED_ROWS: 400 / 450
 # / 574 / 1248 against w8a16_packed_gemm's 283 / 468 / 769 / 2967 at 16 / 32 / 64 / 256 rows
 AMX_W8_PACKED_ROWS = 32
+# W4A16 on AMX: int4_gemv up to AMX_ROWS, int4_amx's exact products up to AMX_INT4_EXACT_ROWS (a decode step of many
+# sequences), and past it int4_dequant_amx (the weight rounded to bf16 once a call: prefill). gate_up_proj and
+# down_proj from memory, g64, 2 threads, microseconds at 16 / 32 / 64 / 256 rows: int4_amx 193 / 274 / 541 / 1920,
+# int4_dequant_amx 232 / 254 / 389 / 957
+AMX_INT4_EXACT_ROWS = 32
 # Row counts at which W4A16's two CPU products are timed against each other (int4_packed_rows): all above
 # deterministic mode's tiles of 16 rows, so that mode keeps one path
 INT4_TIMED_ROWS = (24, 32, 48, 64, 128, 256)
@@ -426,7 +431,7 @@ def _register_fakes(name: str) -> None:
     def product(x, w, *_):  # x [M, K], w [N, ...] -> [M, N] float32
         return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
-    for op in ("int8_gemv", "int4_gemv", "int8_amx", "int4_amx"):
+    for op in ("int8_gemv", "int4_gemv", "int8_amx", "int4_amx", "int4_dequant_amx"):
         torch.library.register_fake(f"{name}::{op}", product)
     torch.library.register_fake(f"{name}::int8_gemv_q8", lambda xq, xs, w, scale: product(xq, w))
     torch.library.register_fake(f"{name}::rescale", lambda acc, xs, scale: acc.new_empty(acc.shape,

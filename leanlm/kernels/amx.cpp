@@ -163,6 +163,13 @@ at::Tensor int8_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   return y;
 }
 
+// vpermw's table for widen_int4: word q (and q + 16) holds bf16(q - 8)
+inline __m512i int4_table() {
+  alignas(64) uint16_t t[32];
+  for (int q = 0; q < 32; ++q) t[q] = c10::BFloat16(float((q & 15) - 8)).x;
+  return _mm512_load_si512(t);
+}
+
 // one 32-input chunk of a 16-channel int4 tile (256 bytes of pack_int4's layout) as tile B: row p holds each
 // channel's bf16 pair (q[2p] - 8, q[2p + 1] - 8)
 inline void widen_int4(const uint8_t* codes, uint32_t* b, __m512i table) {
@@ -172,8 +179,8 @@ inline void widen_int4(const uint8_t* codes, uint32_t* b, __m512i table) {
     // (a | b) & c is ternary-logic table 0xA8: q[k] to word 0 and q[k + 1] to word 1; then q[k + 2], q[k + 3]
     const __m512i first = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 8), nibble, 0xA8);
     const __m512i second = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 4), _mm512_slli_epi32(d, 4), nibble, 0xA8);
-    _mm512_store_si512(b + 32 * j, _mm512_permutexvar_epi16(first, table));
-    _mm512_store_si512(b + 32 * j + 16, _mm512_permutexvar_epi16(second, table));
+    _mm512_storeu_si512(b + 32 * j, _mm512_permutexvar_epi16(first, table));
+    _mm512_storeu_si512(b + 32 * j + 16, _mm512_permutexvar_epi16(second, table));
   }
 }
 
@@ -265,12 +272,7 @@ void int4_tiles(const char* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* 
     Tiles tiles;
     alignas(64) uint32_t wide[4 * 256];  // a group's chunks as B tiles (g <= 128)
     alignas(64) float c[16 * 16];
-    __m512i table;  // word q: bf16(q - 8)
-    {
-      alignas(64) uint16_t t[32];
-      for (int q = 0; q < 32; ++q) t[q] = c10::BFloat16(float((q & 15) - 8)).x;
-      table = _mm512_load_si512(t);
-    }
+    const __m512i table = int4_table();
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < N / 16; ++tile) {
       const int64_t n0 = tile * 16;
@@ -282,8 +284,8 @@ void int4_tiles(const char* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* 
                              [&](int64_t block, const void*) {
                                for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m) {
                                  float* out = y + m * N + n0;
-                                 const __m512 sums = _mm512_fmadd_ps(
-                                     _mm512_load_ps(c + 16 * r), s, _mm512_mul_ps(_mm512_set1_ps(xsum[grp * Mp + m]), z));
+                                 const __m512 shift = _mm512_mul_ps(_mm512_set1_ps(xsum[grp * Mp + m]), z);
+                                 const __m512 sums = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, shift);
                                  _mm512_storeu_ps(out, grp == 0 ? sums : _mm512_add_ps(_mm512_loadu_ps(out), sums));
                                }
                              });
@@ -292,18 +294,25 @@ void int4_tiles(const char* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* 
   }
 }
 
-at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
-                    int64_t g) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int4_amx: x [M, K] bf16");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / std::max<int64_t>(g, 1);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && 2 * w.size(1) == K,
-              "int4_amx: w [N, K / 2] uint8 in pack_int4's layout");
-  TORCH_CHECK(g % 32 == 0 && g <= 128 && K % g == 0 && N % 16 == 0, "int4_amx: the group (", g,
+void check_int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
+                    int64_t g, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op, ": x [M, K] bf16");
+  const int64_t K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && 2 * w.size(1) == K, op,
+              ": w [N, K / 2] uint8 in pack_int4's layout");
+  TORCH_CHECK(g > 0 && g % 32 == 0 && g <= 128 && K % g == 0 && N % 16 == 0, op, ": the group (", g,
               ") must be 32, 64 or 128 and divide K (", K, "), and N (", N, ") a multiple of 16");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
-                  scales.numel() == G * N && zeros.numel() == G * N && scales.is_contiguous() && zeros.is_contiguous(),
-              "int4_amx: contiguous bf16 scales and zeros [K / g, N]");
-  TORCH_CHECK(tiles_granted(), "int4_amx: the kernel did not grant this process the AMX tile state");
+                  scales.numel() == K / g * N && zeros.numel() == K / g * N && scales.is_contiguous() &&
+                  zeros.is_contiguous(),
+              op, ": contiguous bf16 scales and zeros [K / g, N]");
+  TORCH_CHECK(tiles_granted(), op, ": the kernel did not grant this process the AMX tile state");
+}
+
+at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
+                    int64_t g) {
+  check_int4_amx(x, w, scales, zeros, g, "int4_amx");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / g;
   const int64_t Mp = (M + 15) / 16 * 16;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   std::vector<float> xsum(G * Mp, 0.f);  // [G, Mp]: each group's sum of x, for the zero points
@@ -319,6 +328,57 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   int4_tiles(whole_blocks(xs, M, 2 * K, padded), M, Mp, K, w.data_ptr<uint8_t>(),
              reinterpret_cast<const bf16*>(scales.data_ptr<at::BFloat16>()),
              reinterpret_cast<const bf16*>(zeros.data_ptr<at::BFloat16>()), g, xsum.data(), N, y.data_ptr<float>());
+  return y;
+}
+
+// W4A16 for many rows (prefill): each 16-channel tile's weight dequantized once a call to bf16, (q - 8) s + z in
+// one float32 FMA rounded to bf16 once (as a bf16 copy of the weight would hold it), as B tiles in a buffer; then
+// bf16_packed_amx's loop over every row with no per-group step. Not int4_amx's exact products: a row's result
+// depends on which of the two ran.
+at::Tensor int4_dequant_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                            const at::Tensor& zeros, int64_t g) {
+  check_int4_amx(x, w, scales, zeros, g, "int4_dequant_amx");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), per_group = g / 32;
+  std::vector<char> padded;
+  const char* xp = whole_blocks(x.data_ptr<at::BFloat16>(), M, 2 * K, padded);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const bf16 *sp = scales.data_ptr<bf16>(), *zp = zeros.data_ptr<bf16>();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel
+  {
+    Tiles tiles;
+    alignas(64) float c[16 * 16];
+    std::vector<uint32_t> wide(8 * K);  // the tile as bf16 B tiles: K / 32 chunks of 16 pairs x 16 channels
+    const __m512i table = int4_table();
+    // lane 2n + e of a B row is channel n: each channel's scale and zero twice, channels 0-7 and 8-15
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N / 16; ++t) {
+      for (int64_t grp = 0; grp < K / g; ++grp) {
+        const __m512 s = bf16x16(sp + grp * N + t * 16), z = bf16x16(zp + grp * N + t * 16);
+        const __m512 s0 = _mm512_permutexvar_ps(lo, s), s1 = _mm512_permutexvar_ps(hi, s);
+        const __m512 z0 = _mm512_permutexvar_ps(lo, z), z1 = _mm512_permutexvar_ps(hi, z);
+        for (int64_t ch = grp * per_group; ch < (grp + 1) * per_group; ++ch) {
+          uint32_t* b = wide.data() + ch * 256;
+          widen_int4(wp + t * 8 * K + ch * 256, b, table);
+          for (int p = 0; p < 16; ++p) {  // each row of B: (q - 8) as bf16 -> float32, times s, plus z, to bf16
+            const __m512i q = _mm512_loadu_si512(b + 16 * p);
+            const __m512 q0 = _mm512_cvtpbh_ps(__m256bh(_mm512_castsi512_si256(q)));
+            const __m512 q1 = _mm512_cvtpbh_ps(__m256bh(_mm512_extracti64x4_epi64(q, 1)));
+            _mm512_storeu_si512(b + 16 * p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                               _mm512_fmadd_ps(q1, s1, z1), _mm512_fmadd_ps(q0, s0, z0))));
+          }
+        }
+      }
+      tile_rows<Dot::bf16>(xp, 2 * K, (M + 15) / 16, reinterpret_cast<const char*>(wide.data()), K / 32, c,
+                           [&](int64_t block, const void*) {
+                             for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m)
+                               store16(yp + m * N + t * 16, _mm512_load_ps(c + 16 * r));
+                           });
+    }
+  }
   return y;
 }
 
@@ -467,6 +527,10 @@ at::Tensor int4_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
   TORCH_CHECK(false, "int4_amx: this build has no AMX loops (the CPU or the compiler lacks AMX)");
 }
 
+at::Tensor int4_dequant_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "int4_dequant_amx: this build has no AMX loops (the CPU or the compiler lacks AMX)");
+}
+
 at::Tensor bf16_packed_amx(const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "bf16_packed_amx: this build has no AMX loops (the CPU or the compiler lacks AMX)");
 }
@@ -488,6 +552,7 @@ TORCH_LIBRARY_FRAGMENT(LEANLM_NS, m) {
   m.def("amx() -> bool", amx);  // int8_amx can run here
   m.def("int8_amx(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int4_amx(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("int4_dequant_amx(Tensor x, Tensor w, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("bf16_packed_amx(Tensor x, Tensor w) -> Tensor");
   m.def("int8_packed_amx(Tensor xq, Tensor xs, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("w8a16_packed_amx(Tensor x, Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
@@ -496,6 +561,7 @@ TORCH_LIBRARY_FRAGMENT(LEANLM_NS, m) {
 TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("int8_amx", int8_amx);
   m.impl("int4_amx", int4_amx);
+  m.impl("int4_dequant_amx", int4_dequant_amx);
   m.impl("bf16_packed_amx", bf16_packed_amx);
   m.impl("int8_packed_amx", int8_packed_amx);
   m.impl("w8a16_packed_amx", w8a16_packed_amx);

@@ -239,8 +239,9 @@ class W4A16Linear(_QuantLinearBase):
         return (q - 8) * self.scales.float().t().repeat_interleave(g, 1) + self.zeros.float().t().repeat_interleave(g, 1)
 
     def row_splits(self) -> tuple[int, ...]:
-        return (kernels.AMX_ROWS,) if kernels.amx() else (kernels.int4_packed_rows() - 1,) if kernels.native_bf16() \
-            else ()
+        if kernels.amx():
+            return kernels.AMX_ROWS, kernels.AMX_INT4_EXACT_ROWS
+        return (kernels.int4_packed_rows() - 1,) if kernels.native_bf16() else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.numel() <= TINYGEMM_MAX_ROWS * self.in_features and \
@@ -259,10 +260,13 @@ class W4A16Linear(_QuantLinearBase):
     def _product(ops, x2d: torch.Tensor):
         """The kernel for these rows. The ISA is asked first: a row count compared where it changes nothing would
         still split a compiled graph. Past AMX_ROWS int4_amx's tiles are faster from 16 rows (175 against int4_gemv's
-        246 us a layer, 241 / 449 against 446 / 853 at 32 / 64 rows: benchmarks/kernels.py --sections i). The widened
-        packed tiles run on AVX512-BF16 only: scalar widening on AVX2, 1.6x int4_gemv's time at 256 rows (Zen 3)."""
+        246 us a layer, 241 / 449 against 446 / 853 at 32 / 64 rows: benchmarks/kernels.py --sections i), and past
+        AMX_INT4_EXACT_ROWS the weight rounded to bf16 for plain AMX tiles. The widened packed tiles run on
+        AVX512-BF16 only: scalar widening on AVX2, 1.6x int4_gemv's time at 256 rows (Zen 3)."""
         if kernels.amx() and x2d.dtype == torch.bfloat16:
-            return ops.int4_amx if x2d.shape[0] > kernels.AMX_ROWS else ops.int4_gemv
+            rows = x2d.shape[0]
+            return ops.int4_gemv if rows <= kernels.AMX_ROWS else ops.int4_amx if rows <= kernels.AMX_INT4_EXACT_ROWS \
+                else ops.int4_dequant_amx
         many = kernels.native_bf16() and x2d.dtype == torch.bfloat16 and x2d.shape[0] >= kernels.int4_packed_rows()
         return ops.int4_packed_gemm if many else ops.int4_gemv
 

@@ -122,18 +122,23 @@ def test_w8a16_takes_the_kernel_up_to_the_rows_it_was_measured_faster_at(monkeyp
 
 
 def test_w4a16_takes_amx_tiles_past_amx_rows(monkeypatch):
-    """With AMX, W4A16 on bf16 x runs int4_gemv up to AMX_ROWS rows and int4_amx past them (deterministic mode's
-    tiles of 16 rows: always the tiles), both close to the dequantized weight's product; float32 x keeps int4_gemv."""
+    """With AMX, W4A16 on bf16 x runs int4_gemv up to AMX_ROWS rows, int4_amx up to AMX_INT4_EXACT_ROWS
+    (deterministic mode's tiles of 16 rows: always int4_amx) and int4_dequant_amx beyond, each close to the
+    dequantized weight's product; float32 x keeps int4_gemv."""
     if not kernels.amx():
         pytest.skip("no AMX tiles here")
     real, calls = kernels.ops(), []
     fake = type("Ops", (), {"int4_gemv": lambda *a: calls.append("gemv") or real.int4_gemv(*a),
-                            "int4_amx": lambda *a: calls.append("amx") or real.int4_amx(*a)})
+                            "int4_amx": lambda *a: calls.append("amx") or real.int4_amx(*a),
+                            "int4_dequant_amx": lambda *a: calls.append("bf16") or real.int4_dequant_amx(*a)})
     monkeypatch.setattr(kernels, "ops", lambda: fake)
     q = W4A16Linear.from_float(_linear(256, 48, bias=False), group_size=64)
-    assert q.row_splits() == (kernels.AMX_ROWS,)
-    for rows, dtype, kernel in ((kernels.AMX_ROWS, torch.bfloat16, ["gemv"]), (kernels.AMX_ROWS + 1, torch.bfloat16,
-                                ["amx"]), (16, torch.float32, ["gemv"])):
+    assert q.row_splits() == (kernels.AMX_ROWS, kernels.AMX_INT4_EXACT_ROWS)
+    assert kernels.AMX_ROWS < 16 <= kernels.AMX_INT4_EXACT_ROWS
+    bf16, exact = kernels.AMX_ROWS, kernels.AMX_INT4_EXACT_ROWS
+    for rows, dtype, kernel in ((bf16, torch.bfloat16, ["gemv"]), (bf16 + 1, torch.bfloat16, ["amx"]),
+                                (exact, torch.bfloat16, ["amx"]), (exact + 1, torch.bfloat16, ["bf16"]),
+                                (16, torch.float32, ["gemv"])):
         x = torch.randn(rows, 256).to(dtype)
         calls.clear()
         torch.testing.assert_close(q(x).float(), x.float() @ q.dequantized_weight().T, rtol=2e-2, atol=5e-2)
@@ -157,6 +162,21 @@ def test_int4_amx_is_the_float32_sum_of_exact_products(M, K, N, g):
     assert got.dtype == torch.float32 and got.shape == (M, N)
     assert ((got.double() - expected).abs() <= 1e-5 * expected.abs().amax()).all()
     assert torch.equal(kernels.ops().int4_amx(x[:5].contiguous(), pack_int4(codes), scales, zeros, g), got[:5])
+
+
+@pytest.mark.parametrize("M,K,N,g", [(1, 128, 64, 32), (17, 256, 48, 64), (70, 1536, 576, 128)])
+def test_int4_dequant_amx_is_the_product_with_the_weight_rounded_to_bf16(M, K, N, g):
+    """int4_dequant_amx: (q - 8) s + z rounded to bf16 once, then float32 sums of exact products with x's rows."""
+    if not kernels.amx():
+        pytest.skip("no AMX tiles here")
+    gen = torch.Generator().manual_seed(M)
+    x, codes = torch.randn(M, K, generator=gen).bfloat16(), torch.randint(0, 16, (N, K), generator=gen)
+    scales, zeros = (torch.rand(K // g, N, generator=gen) / 10).bfloat16(), (torch.randn(K // g, N, generator=gen) / 10
+                                                                             ).bfloat16()
+    weight = (codes - 8) * scales.float().T.repeat_interleave(g, 1) + zeros.float().T.repeat_interleave(g, 1)
+    expected = x.double() @ weight.bfloat16().double().T
+    got = kernels.ops().int4_dequant_amx(x, pack_int4(codes), scales, zeros, g)
+    assert got.dtype == torch.float32 and ((got.double() - expected).abs() <= 1e-5 * expected.abs().amax()).all()
 
 
 def test_w4a16_widens_its_tiles_from_the_rows_it_was_measured_faster_at(monkeypatch):

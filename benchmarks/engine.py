@@ -229,7 +229,7 @@ def print_offline(r: dict) -> None:
 # profiler op names by part; leanlm's kernels live in a namespace leanlm_<source hash> (leanlm.kernels)
 PROJECTIONS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::_weight_int8pack_mm", "::int8_gemv",
                "::int4_gemv", "aten::_int_mm", "::quantize_rows", "::int8_amx", "::codebook_gemv", "::bf16_gemm",
-               "_packed_gemm", "::int4_q8_gemm", "::int8_24_gemv")
+               "_packed_gemm", "::int4_q8_gemm", "::int8_24_gemv", "_amx")
 ATTENTION = ("::paged_attention", "aten::index_copy", "scaled_dot_product", "::put_keys")
 LABELS = {"leanlm.sample": "sampling", "leanlm.schedule": "scheduler"}
 PARTS = ("projections", "attention", "other ops", "forward, outside ops", "sampling", "scheduler",

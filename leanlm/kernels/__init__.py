@@ -56,12 +56,13 @@ AMX_ROWS = 8
 # On AMX CPUs torch's bf16 GEMM and torch._int_mm run on the tiles too, and the timed switches below gave the same
 # count in 6 of 6 timings on a 2-vCPU Sapphire Rapids: fixed there, so that every process takes the same paths
 AMX_BF16_ROWS = AMX_INT8_ROWS = 4
-# The packed layouts on AMX (a SmolLM2-135M decoder layer's four products from memory, 2 threads, microseconds at
-# 1 / 8 / 32 / 256 rows; benchmarks/kernels.py --sections b, q, w): bf16_packed_amx 281 / 290 / 373 / 1225 against
-# bf16_packed_gemm's 290 / 417 / 1021 / 7835 and torch's 575 / 604 / 645 / 1381, so a PackedLinear runs it at any
-# row count; int8_packed_amx (the same bits as int8_packed_gemm) past AMX_INT8_ROWS, 225 / 745 against 252 / 1284 at
-# 32 / 256 (167 against 142 at one row); w8a16_packed_amx, which widens the codes, past AMX_W8_PACKED_ROWS: 400 / 450
-# / 574 / 1248 against w8a16_packed_gemm's 283 / 468 / 769 / 2967 at 16 / 32 / 64 / 256 rows
+# The packed layouts on AMX (weights from memory, 2 threads, microseconds; benchmarks/kernels.py): a SmolLM2-135M
+# decoder layer's four bf16 products at 1 / 8 / 32 / 256 rows (--sections b), bf16_packed_amx 284 / 293 / 378 / 1260
+# against bf16_packed_gemm's 277 / 416 / 1032 / 7782 and torch's 567 / 588 / 630 / 2121, so a PackedLinear runs it at
+# any row count; gate_up_proj and down_proj in W8A8 (--sections q), int8_packed_amx (int8_packed_gemm's bits) past
+# AMX_INT8_ROWS, 163 / 593 against 185 / 1564 at 32 / 256 rows (125 against 111 at one); in W8A16 (--sections w),
+# w8a16_packed_amx, which widens the codes, past AMX_W8_PACKED_ROWS: 223 / 328 / 425 / 921 against
+# w8a16_packed_gemm's 201 / 318 / 593 / 2215 at 16 / 32 / 64 / 256 rows
 AMX_W8_PACKED_ROWS = 32
 # W4A16 on AMX: int4_gemv up to AMX_ROWS, int4_amx's exact products up to AMX_INT4_EXACT_ROWS (a decode step of many
 # sequences), and past it int4_dequant_amx (the weight rounded to bf16 once a call: prefill). gate_up_proj and

@@ -318,10 +318,10 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   std::vector<float> xsum(G * Mp, 0.f);  // [G, Mp]: each group's sum of x, for the zero points
   for (int64_t m = 0; m < M; ++m)
     for (int64_t grp = 0; grp < G; ++grp) {
-      float sum = 0.f;
-      for (int64_t k = grp * g; k < (grp + 1) * g; ++k)
-        sum += float(c10::BFloat16(xs[m * K + k], c10::BFloat16::from_bits()));
-      xsum[grp * Mp + m] = sum;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = grp * g; k < (grp + 1) * g; k += 16)
+        sum = _mm512_add_ps(sum, bf16x16(reinterpret_cast<const bf16*>(xs + m * K + k)));
+      xsum[grp * Mp + m] = _mm512_reduce_add_ps(sum);
     }
   std::vector<char> padded;
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));

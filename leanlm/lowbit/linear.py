@@ -253,6 +253,7 @@ class W4A16Linear(_QuantLinearBase):
         if not x.is_cpu or (ops := kernels.ops()) is None:
             return self._reference(x)
         x2d = x.reshape(-1, self.in_features)
+        x2d = x2d.contiguous() if kernels.amx() else x2d  # the tiles read rows K apart (int4_gemv takes any strides)
         return self._finish(self._product(ops, x2d)(x2d, self.weight_packed, self.scales, self.zeros,
                                                     self.group_size), x)
 

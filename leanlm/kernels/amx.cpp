@@ -12,18 +12,22 @@
 // Output channels are split across threads in blocks of 16. K and N need not be multiples of 32 and 16 (tails
 // are zero-padded).
 //
-// W4A16 (int4_gemv's product: groups of g along K, w = (q - 8) s + z) with the weight as tile B instead:
-//   int4_amx: y[m, n] = sum_g s[g, n] sum_{k in g} (q[n, k] - 8) x[m, k] + z[g, n] sum_{k in g} x[m, k]
-// - B (16 input pairs x 16 output channels): a 32-input chunk of a 16-channel tile of pack_int4's layout is 256
-//   contiguous bytes, 32 per 4 inputs, a 16-bit word per channel holding its 4 codes; a shift and a mask give each
-//   channel's input pair as two word indexes, and one `vpermw` turns them into the bf16 of q - 8 (exact). Each
-//   group's chunks are widened once per call and serve every row of x.
-// - A (16 rows of x x 32 inputs): x's bf16 rows as they are (a tile load with x's row stride).
-// - C: 16 rows x 16 channels, one group's sums; up to four row blocks at a time (4 independent chains). After each
-//   group the rows are scaled into y: y[m, n0..n0+16] += C[m] * s[g] + xsum[g, m] * z[g], one 16-lane FMA pair.
-// Sums are float32 over exact products, in an order fixed by K and g: a row's result does not depend on the
-// other rows. Compiled only where the compiler targets AMX (-march=native on such a CPU); elsewhere amx() is
-// false and both products refuse. Linux grants a process the tile state on request (arch_prctl), asked once.
+// The other products take the weight as tile B, one 16-channel tile of y at a time (tile_rows): A is 16 rows of x as
+// they are (a tile load with x's row stride), B a 1 KiB chunk of the weight, C 16 rows x 16 channels; four row
+// blocks share each B tile (four independent chains). The packed layouts of cpu.cpp are B as they are:
+//   bf16_packed_amx: pack_bf16's [N/16, K/2, 16, 2] (32 inputs x 16 channels a chunk), `tdpbf16ps`
+//   int8_packed_amx: pack_int8's [N/16, K/4, 16, 4] (codes + 128) against x's int8 codes, `tdpbsud`, exact int32
+//     sums less 128 sum_k xq, then int8_packed_gemm's epilogue: its bits
+//   w8a16_packed_amx: pack_pairs' int8 codes, widened to bf16 (exact) once a call
+// W4A16 (int4_gemv's product: groups of g along K, w = (q - 8) s + z), from pack_int4's layout, where a 32-input
+// chunk of a 16-channel tile is 256 contiguous bytes, a 16-bit word per channel and 4 inputs; a shift and a mask give
+// each channel's input pair as two word indexes, and one `vpermw` turns them into the bf16 of q - 8 (exact):
+//   int4_amx: y[m, n] = sum_g s[g, n] sum_{k in g} (q[n, k] - 8) x[m, k] + z[g, n] sum_{k in g} x[m, k], each
+//     group's sums scaled into y (y[m, n0..n0+16] += C[m] * s[g] + xsum[g, m] * z[g])
+//   int4_dequant_amx (prefill): each tile's weight (q - 8) s + z rounded to bf16 once a call, then plain tiles
+// Sums are float32 over exact products (int32 for int8), in an order fixed by K (and g): a row's result does not
+// depend on the other rows. Compiled only where the compiler targets AMX (-march=native on such a CPU); elsewhere
+// amx() is false and the products refuse. Linux grants a process the tile state on request (arch_prctl), once.
 
 #include "common.h"
 
@@ -221,7 +225,7 @@ struct Tiles {
 
 // One 16-channel tile of y from every row of x: `chunks` chunks of 64 bytes of each row of x (blocks of 16 rows, ldx
 // bytes apart) times B tiles of 1 KiB each from b, four row blocks at a time: four independent chains, each B tile
-// loaded once per four blocks. epilogue(block, c) takes a block's 16 x 16 sums (rows of x by channels) from c.
+// loaded once per four blocks. epilogue(block) finds a block's 16 x 16 sums (rows of x by channels) in c.
 template <Dot D, typename Epilogue>
 void tile_rows(const char* x, int64_t ldx, int64_t row_blocks, const char* b, int64_t chunks, void* c,
                Epilogue&& epilogue) {
@@ -244,7 +248,7 @@ void tile_rows(const char* x, int64_t ldx, int64_t row_blocks, const char* b, in
         case 2: _tile_stored(2, c, 64); break;
         default: _tile_stored(3, c, 64); break;
       }
-      epilogue(r0 + blk, c);
+      epilogue(r0 + blk);
     }
   }
 }
@@ -281,7 +285,7 @@ void int4_tiles(const char* x, int64_t M, int64_t Mp, int64_t K, const uint8_t* 
           widen_int4(w + tile * 8 * K + (grp * per_group + ch) * 256, wide + ch * 256, table);
         const __m512 s = bf16x16(scales + grp * N + n0), z = bf16x16(zeros + grp * N + n0);
         tile_rows<Dot::bf16>(x + grp * g * 2, 2 * K, Mp / 16, reinterpret_cast<const char*>(wide), per_group, c,
-                             [&](int64_t block, const void*) {
+                             [&](int64_t block) {
                                for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m) {
                                  float* out = y + m * N + n0;
                                  const __m512 shift = _mm512_mul_ps(_mm512_set1_ps(xsum[grp * Mp + m]), z);
@@ -373,7 +377,7 @@ at::Tensor int4_dequant_amx(const at::Tensor& x, const at::Tensor& w, const at::
         }
       }
       tile_rows<Dot::bf16>(xp, 2 * K, (M + 15) / 16, reinterpret_cast<const char*>(wide.data()), K / 32, c,
-                           [&](int64_t block, const void*) {
+                           [&](int64_t block) {
                              for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m)
                                store16(yp + m * N + t * 16, _mm512_load_ps(c + 16 * r));
                            });
@@ -403,7 +407,7 @@ at::Tensor bf16_packed_amx(const at::Tensor& x, const at::Tensor& w) {
     alignas(64) float c[16 * 16];
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < N / 16; ++t)
-      tile_rows<Dot::bf16>(xp, 2 * K, (M + 15) / 16, wp + t * 32 * K, K / 32, c, [&](int64_t block, const void*) {
+      tile_rows<Dot::bf16>(xp, 2 * K, (M + 15) / 16, wp + t * 32 * K, K / 32, c, [&](int64_t block) {
         for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m)
           store16(yp + m * N + t * 16, _mm512_load_ps(c + 16 * r));
       });
@@ -425,7 +429,7 @@ void q8_packed_amx(const char* xq, const int32_t* xsum, const float* xs, const u
     for (int64_t t = 0; t < N / 16; ++t) {
       const __m512 sc = _mm512_loadu_ps(scale + t * 16);
       tile_rows<Dot::s8u8>(xq, K, (M + 15) / 16, reinterpret_cast<const char*>(w + t * 16 * K), K / 64, c,
-                           [&](int64_t block, const void*) {
+                           [&](int64_t block) {
                              for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m) {
                                const __m512i sums = _mm512_sub_epi32(_mm512_load_si512(c + 16 * r),
                                                                      _mm512_set1_epi32(128 * xsum[m]));
@@ -488,7 +492,7 @@ void w8_packed_amx(const char* x, const int8_t* w, const bf16* scale, Out* y, in
       }
       const __m512 sc = bf16x16(scale + t * 16);
       tile_rows<Dot::bf16>(x, 2 * K, (M + 15) / 16, reinterpret_cast<const char*>(wide.data()), K / 32, c,
-                           [&](int64_t block, const void*) {
+                           [&](int64_t block) {
                              for (int64_t r = 0, m = block * 16; r < 16 && m < M; ++r, ++m)
                                store16(y + m * N + t * 16, _mm512_mul_ps(_mm512_load_ps(c + 16 * r), sc));
                            });

@@ -127,6 +127,7 @@ def test_w4a16_takes_amx_tiles_past_amx_rows(monkeypatch):
     dequantized weight's product; float32 x keeps int4_gemv."""
     if not kernels.amx():
         pytest.skip("no AMX tiles here")
+    kernels.native_bf16()  # asked (float32 x) of the real ops, before they are replaced below
     real, calls = kernels.ops(), []
     fake = type("Ops", (), {"int4_gemv": lambda *a: calls.append("gemv") or real.int4_gemv(*a),
                             "int4_amx": lambda *a: calls.append("amx") or real.int4_amx(*a),

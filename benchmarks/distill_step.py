@@ -1,7 +1,7 @@
 """Two revisions of leanlm's distillation step against each other: seconds a training step and peak memory of the
 `distill` recipe step (the trainer AQLM's end-to-end fine-tuning and the int4 QAT step run), each revision in a fresh
-process from its own copy of the sources (git archive, in a temporary folder), the revisions alternating for --rounds rounds. On a shared VM whose speed moves
-between runs, the ratio within one run is the number to trust.
+process from its own copy of the sources (git archive, in a temporary folder), the revisions alternating for --rounds
+rounds. On a shared VM whose speed moves between runs, the ratio within one run is the number to trust.
 
     python benchmarks/distill_step.py BASE HEAD [--student DIR] [--teacher smollm2-135m] [--steps 6] [--rounds 2]
 

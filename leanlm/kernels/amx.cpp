@@ -55,6 +55,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// The tile state of one thread, all 8 tiles 16 rows of 64 bytes, configured on entry and released on exit
+struct Tiles {
+  Tiles() {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+  }
+  ~Tiles() { _tile_release(); }
+};
+
 // x rows [m0, m0 + rows) as bf16 pairs: out[panel block][chunk][pair][row] (32-bit words), zero past K and rows
 void pack_rows(const uint16_t* x, int64_t K, int64_t m0, int64_t rows, int64_t chunks, uint32_t* out) {
   const int64_t blocks = (rows + 15) / 16;
@@ -75,6 +85,13 @@ void pack_rows(const uint16_t* x, int64_t K, int64_t m0, int64_t rows, int64_t c
     }
 }
 
+// 32 int8 codes as 32 bf16, in order (exact: |code| <= 127 fits bf16's 8-bit significand)
+inline __m512i bf16_of_codes(__m256i codes) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+}
+
 // 16 output channels' codes for inputs [k0, k0 + 32) widened to bf16 rows of a tile (zero past N and K)
 inline void widen_block(const int8_t* w, int64_t K, int64_t n0, int64_t N, int64_t k0, uint16_t* a) {
   const int64_t width = std::min<int64_t>(32, K - k0);
@@ -82,9 +99,7 @@ inline void widen_block(const int8_t* w, int64_t K, int64_t n0, int64_t N, int64
   for (int r = 0; r < 16; ++r) {
     __m256i codes = _mm256_setzero_si256();
     if (n0 + r < N) codes = _mm256_maskz_loadu_epi8(take, w + (n0 + r) * K + k0);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
-    _mm512_store_si512(reinterpret_cast<__m512i*>(a + r * 32), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    _mm512_store_si512(reinterpret_cast<__m512i*>(a + r * 32), bf16_of_codes(codes));
   }
 }
 
@@ -108,9 +123,7 @@ void panel(const uint32_t* xp, int64_t rows, int64_t K, int64_t chunks, const in
   const int64_t blocks = (rows + 15) / 16;
 #pragma omp parallel
   {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    Tiles tiles;
     alignas(64) uint16_t a0[16 * 32], a1[16 * 32];
     alignas(64) float even[16 * 16], odd[16 * 16];
 #pragma omp for schedule(static)
@@ -144,7 +157,6 @@ void panel(const uint32_t* xp, int64_t rows, int64_t K, int64_t chunks, const in
         }
       }
     }
-    _tile_release();
   }
 }
 
@@ -192,36 +204,26 @@ enum class Dot { bf16, s8u8 };  // tdpbf16ps: bf16 pairs into float32; tdpbsud: 
 
 // chunk ch against the row blocks [r0, r0 + blocks): tile numbers are literals, hence macros (C tiles 0-3, A 4-5,
 // B 6-7)
-#define LEANLM_AMX_DOT(C, A, B) \
-  do {                          \
-    if constexpr (D == Dot::bf16) \
-      _tile_dpbf16ps(C, A, B);  \
-    else                        \
-      _tile_dpbsud(C, A, B);    \
+#define LEANLM_ROWS_DOT(C, A, B)                              \
+  do {                                                        \
+    if constexpr (D == Dot::bf16)                             \
+      _tile_dpbf16ps(C, A, B);                                \
+    else                                                      \
+      _tile_dpbsud(C, A, B);                                  \
   } while (0)
-#define LEANLM_AMX_BLOCK(C, A, B, r)                           \
-  do {                                                         \
-    _tile_loadd(A, x + (r0 + (r)) * 16 * ldx + ch * 64, ldx);  \
-    LEANLM_AMX_DOT(C, A, B);                                   \
+#define LEANLM_ROWS_BLOCK(C, A, B, r)                         \
+  do {                                                        \
+    _tile_loadd(A, x + (r0 + (r)) * 16 * ldx + ch * 64, ldx); \
+    LEANLM_ROWS_DOT(C, A, B);                                 \
   } while (0)
-#define LEANLM_AMX_CHUNK(B)                       \
-  do {                                            \
-    _tile_loadd(B, b + ch * 1024, 64);            \
-    LEANLM_AMX_BLOCK(0, 4, B, 0);                 \
-    if (blocks > 1) LEANLM_AMX_BLOCK(1, 5, B, 1); \
-    if (blocks > 2) LEANLM_AMX_BLOCK(2, 4, B, 2); \
-    if (blocks > 3) LEANLM_AMX_BLOCK(3, 5, B, 3); \
+#define LEANLM_ROWS_CHUNK(B)                                  \
+  do {                                                        \
+    _tile_loadd(B, b + ch * 1024, 64);                        \
+    LEANLM_ROWS_BLOCK(0, 4, B, 0);                            \
+    if (blocks > 1) LEANLM_ROWS_BLOCK(1, 5, B, 1);            \
+    if (blocks > 2) LEANLM_ROWS_BLOCK(2, 4, B, 2);            \
+    if (blocks > 3) LEANLM_ROWS_BLOCK(3, 5, B, 3);            \
   } while (0)
-
-// The tile state of one thread, all 8 tiles 16 rows of 64 bytes, configured on entry and released on exit
-struct Tiles {
-  Tiles() {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
-  }
-  ~Tiles() { _tile_release(); }
-};
 
 // One 16-channel tile of y from every row of x: `chunks` chunks of 64 bytes of each row of x (blocks of 16 rows, ldx
 // bytes apart) times B tiles of 1 KiB each from b, four row blocks at a time: four independent chains, each B tile
@@ -237,9 +239,9 @@ void tile_rows(const char* x, int64_t ldx, int64_t row_blocks, const char* b, in
     _tile_zero(3);
     for (int64_t ch = 0; ch < chunks; ++ch) {
       if (ch % 2 == 0)
-        LEANLM_AMX_CHUNK(6);
+        LEANLM_ROWS_CHUNK(6);
       else
-        LEANLM_AMX_CHUNK(7);
+        LEANLM_ROWS_CHUNK(7);
     }
     for (int64_t blk = 0; blk < blocks; ++blk) {
       switch (blk) {
@@ -456,8 +458,7 @@ at::Tensor int8_packed_amx(const at::Tensor& xq, const at::Tensor& xs, const at:
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int8_packed_amx writes float32 or bfloat16");
   TORCH_CHECK(tiles_granted(), "int8_packed_amx: the kernel did not grant this process the AMX tile state");
   const int8_t* xp = xq.data_ptr<int8_t>();
-  std::vector<int32_t> xsum(M);
-  for (int64_t m = 0; m < M; ++m) xsum[m] = std::accumulate(xp + m * K, xp + (m + 1) * K, int32_t(0));
+  const std::vector<int32_t> xsum = group_sums(xp, M, K, K);
   std::vector<char> padded;
   const char* x = whole_blocks(xp, M, K, padded);
   at::Tensor y = at::empty({M, N}, xq.options().dtype(dtype));
@@ -483,13 +484,9 @@ void w8_packed_amx(const char* x, const int8_t* w, const bf16* scale, Out* y, in
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < N / 16; ++t) {
       const int8_t* codes = w + t * 16 * K;
-      for (int64_t i = 0; i < 16 * K; i += 32) {  // 16 channels x 2 inputs (a row of B) a step, widened as int8_amx's
-        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
-        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i + 16));
-        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
-                                                  _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
-        _mm512_storeu_si512(wide.data() + i, reinterpret_cast<__m512i>(both));
-      }
+      for (int64_t i = 0; i < 16 * K; i += 32)  // 16 channels x 2 inputs (a row of B) a step
+        _mm512_storeu_si512(wide.data() + i,
+                            bf16_of_codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i))));
       const __m512 sc = bf16x16(scale + t * 16);
       tile_rows<Dot::bf16>(x, 2 * K, (M + 15) / 16, reinterpret_cast<const char*>(wide.data()), K / 32, c,
                            [&](int64_t block) {

@@ -148,6 +148,20 @@ struct Rows {
 #endif
 };
 
+// sum_k x[m, k] over each group of g columns of M rows of int8 codes -> [M, K / g]: with g = K the W8A8 kernels'
+// 128 x sum term, with W4A16's groups W4A8's zero-point term (cpu.cpp)
+std::vector<int32_t> group_sums(const int8_t* x, int64_t M, int64_t K, int64_t g) {
+  const int64_t G = K / g;
+  std::vector<int32_t> sums(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < G; ++j) {
+      int32_t s = 0;
+      for (int64_t k = j * g; k < (j + 1) * g; ++k) s += x[m * K + k];
+      sums[m * G + j] = s;
+    }
+  return sums;
+}
+
 #ifdef LEANLM_AVX512
 inline __m512 bf16x16(const bf16* p) {  // 16 bf16 -> float32 (bf16 is float32's top half)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));

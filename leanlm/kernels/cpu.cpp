@@ -307,20 +307,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 constexpr int64_t kQ8MaxK = 32768;  // the W8A8 kernels' int32 sums are exact up to this K (below)
 
-// sum_k x[m, k] over each group of g columns of M rows of int8 codes -> [M, K / g]: with g = K the W8A8 kernels'
-// 128 x sum term, with W4A16's groups W4A8's zero-point term (below)
-std::vector<int32_t> group_sums(const int8_t* x, int64_t M, int64_t K, int64_t g) {
-  const int64_t G = K / g;
-  std::vector<int32_t> sums(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < G; ++j) {
-      int32_t s = 0;
-      for (int64_t k = j * g; k < (j + 1) * g; ++k) s += x[m * K + k];
-      sums[m * G + j] = s;
-    }
-  return sums;
-}
-
 #ifdef LEANLM_AVX512
 // W8A8 on AVX-512 VNNI: `vpdpbusd` multiplies 64 unsigned-by-signed byte pairs into 16 int32 lanes, twice the
 // products per instruction of the int16 loops above, read from the int8 codes as they are. The weight's codes are

@@ -17,6 +17,8 @@ callers then fall back to torch ops.
     y = ops.codebook_gemv(x, codes, codebooks, scale)  # codebook.cpp: AQLM codes [K/8, C, N] uint8, codebooks
                                                        # [C, 8, 256] bf16, scale [N] bf16 -> [M, N] float32
     w = ops.codebook_dequant(codes, codebooks, scale)  # their weight [N, K] bf16
+    w = ops.codebook_weight(codes, books, scale, dtype)  # training's: books [C, 256, 8], scale [N] float32
+    gb, gs = ops.codebook_weight_backward(codes, books, scale, gw)  # its gradients from the weight's gw [N, K]
     y = ops.int8_24_gemv(x, values, masks, scale)  # sparse.cpp: 2:4-sparse int8 (lowbit/sparse24.pack_24), values
                                                    # [N, K/2] int8, masks [N, ceil(K/8)] uint8, scale [N] bf16
     w = ops.int8_24_unpack(values, masks)  # their dense int8 codes [N, K]
@@ -457,6 +459,10 @@ def _register_fakes(name: str) -> None:
         x.shape[0], codes.shape[2], dtype=torch.float32))
     torch.library.register_fake(f"{name}::codebook_dequant", lambda codes, books, _: books.new_empty(
         codes.shape[2], 8 * codes.shape[0]))
+    torch.library.register_fake(f"{name}::codebook_weight", lambda codes, books, _, dtype: books.new_empty(
+        codes.shape[2], 8 * codes.shape[0], dtype=dtype))
+    torch.library.register_fake(f"{name}::codebook_weight_backward", lambda codes, books, scale, _: (
+        torch.empty_like(books), torch.empty_like(scale)))
     torch.library.register_fake(f"{name}::paged_attention", lambda q, *_: torch.empty_like(q))
     torch.library.register_fake(f"{name}::prefill_attention", lambda q, *_: torch.empty_like(q))
     torch.library.register_fake(f"{name}::hadamard_rotate", lambda x, *_: torch.empty_like(x))

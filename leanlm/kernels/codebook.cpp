@@ -23,6 +23,7 @@
 // (benchmarks/codebook.py). Byte permutes (`vpermi2b` on the tables' low and high bytes, 64 outputs a step) measured
 // the same, so the lookups are not limited by the word permutes.
 // codebook_dequant (prefill): w [N, K] bf16, for one GEMM.
+// codebook_weight and its backward: the same weight from the float32 codebooks that training holds (below).
 // Compiled into the same extension as cpu.cpp (leanlm/kernels/__init__.py), with the same ISA selection.
 
 #include "common.h"
@@ -208,46 +209,137 @@ at::Tensor codebook_gemv(const at::Tensor& x, const at::Tensor& codes, const at:
   return y;
 }
 
+#ifdef LEANLM_SIMD
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) {  // rounding to nearest even as c10::BFloat16 does (the codebooks are finite)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
+}
+#endif
+
+// w [N, K] = scales[n] * the sum of each group's C codewords, books [C][256][8] (an entry's 8 values side by side)
+template <typename Out>
+void dequantize(const uint8_t* cp, const float* books, const float* scales, int64_t G, int64_t C, int64_t N, Out* wp) {
+  const int64_t K = G * kDim;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* cg = cp + g * C * N + n;
+#ifdef LEANLM_SIMD
+        __m256 v = _mm256_loadu_ps(books + cg[0] * kDim);
+        for (int64_t c = 1; c < C; ++c) v = _mm256_add_ps(v, _mm256_loadu_ps(books + (c * kEntries + cg[c * N]) * kDim));
+        store8(wp + n * K + g * kDim, _mm256_mul_ps(v, _mm256_set1_ps(scales[n])));
+#else
+        float v[kDim] = {};
+        for (int64_t c = 0; c < C; ++c) {
+          const float* e = books + (c * kEntries + cg[c * N]) * kDim;
+          for (int64_t d = 0; d < kDim; ++d) v[d] += e[d];
+        }
+        for (int64_t d = 0; d < kDim; ++d) wp[n * K + g * kDim + d] = Out(v[d] * scales[n]);
+#endif
+      }
+  });
+}
+
 at::Tensor codebook_dequant(const at::Tensor& codes, const at::Tensor& codebooks, const at::Tensor& scale) {
   check(codes, codebooks, scale, "codebook_dequant");
-  const int64_t G = codes.size(0), C = codes.size(1), N = codes.size(2), K = G * kDim;
-  at::Tensor w = at::empty({N, K}, codebooks.options());
-  std::vector<float> books(C * kEntries * kDim);  // [C][256][8]: an entry's 8 values side by side
+  const int64_t G = codes.size(0), C = codes.size(1), N = codes.size(2);
+  std::vector<float> books(C * kEntries * kDim);  // [C][256][8]
   const std::vector<float> cbt = widened(codebooks);
   for (int64_t c = 0; c < C; ++c)
     for (int64_t d = 0; d < kDim; ++d)
       for (int64_t e = 0; e < kEntries; ++e) books[(c * kEntries + e) * kDim + d] = cbt[(c * kDim + d) * kEntries + e];
+  const std::vector<float> scales = widened(scale);
+  at::Tensor w = at::empty({N, G * kDim}, codebooks.options());
+  dequantize(codes.data_ptr<uint8_t>(), books.data(), scales.data(), G, C, N, w.data_ptr<bf16>());
+  return w;
+}
+
+// Training (compress/quant/aqlm.py's TunedCodebook: AQLM's block tuning and its end-to-end distillation) holds the
+// codebooks as float32 [C, 256, 8] and the scales as float32 [N]
+void check_train(const at::Tensor& codes, const at::Tensor& books, const at::Tensor& scale, const char* op) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
+              op, " wants contiguous uint8 codes [K/8, C, N] on the CPU, got ", codes.sizes());
+  TORCH_CHECK(books.dim() == 3 && books.size(0) == codes.size(1) && books.size(1) == kEntries &&
+                  books.size(2) == kDim && books.scalar_type() == at::kFloat && books.is_contiguous(),
+              op, " wants float32 codebooks [C, 256, 8] with C = codes.size(1), got ", books.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == codes.size(2) && scale.is_contiguous(), op,
+              " wants float32 scales [N]");
+}
+
+// The weight of float32 codebooks, in float32 or bf16 (the dtype the product runs in: autocast's)  # -> [N, K]
+at::Tensor codebook_weight(const at::Tensor& codes, const at::Tensor& books, const at::Tensor& scale,
+                           at::ScalarType dtype) {
+  check_train(codes, books, scale, "codebook_weight");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "codebook_weight writes float32 or bf16");
+  const int64_t G = codes.size(0), C = codes.size(1), N = codes.size(2);
+  at::Tensor w = at::empty({N, G * kDim}, books.options().dtype(dtype));
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const bf16* sp = scale.data_ptr<bf16>();
-  bf16* wp = w.data_ptr<bf16>();
+  if (dtype == at::kFloat)
+    dequantize(cp, books.data_ptr<float>(), scale.data_ptr<float>(), G, C, N, w.data_ptr<float>());
+  else
+    dequantize(cp, books.data_ptr<float>(), scale.data_ptr<float>(), G, C, N, w.data_ptr<bf16>());
+  return w;
+}
+
+// codebook_weight's backward from the weight's gradient gw [N, K] (float32 or bf16), in one pass over it:
+//   d books[c, e, :] = sum over (g, n) with codes[g, c, n] = e of scale[n] gw[n, 8g:8g+8]
+//   d scale[n]       = sum over g of gw[n, 8g:8g+8] . (the sum of group g's C codewords)
+// each thread summing into its own copy of the codebooks (C x 8 KiB), added up at the end. torch's gather and
+// index_put (accumulate) spent half of a distillation step here (README: the distillation section).
+template <typename G_t>
+void weight_grads(const uint8_t* cp, const float* books, const float* scales, const G_t* gw, int64_t G, int64_t C,
+                  int64_t N, float* sums, float* gs) {
+  const int64_t K = G * kDim, size = C * kEntries * kDim;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float* mine = sums + at::get_thread_num() * size;
     for (int64_t n = n0; n < n1; ++n) {
-      const float s = float(sp[n]);
+      float dot[kDim] = {};
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* cg = cp + g * C * N + n;
-#ifdef LEANLM_SIMD
-        __m256 v = _mm256_loadu_ps(books.data() + cg[0] * kDim);
-        for (int64_t c = 1; c < C; ++c)
-          v = _mm256_add_ps(v, _mm256_loadu_ps(books.data() + (c * kEntries + cg[c * N]) * kDim));
-        // to bf16, rounding to nearest even as c10::BFloat16 does (no NaN here: the codebooks are finite)
-        const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(v, _mm256_set1_ps(s)));
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-        const __m256i rounded =
-            _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-        _mm_storeu_si128((__m128i*)(wp + n * K + g * kDim),
-                         _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
-#else
-        float v[kDim] = {};
+        float grad[kDim];
+        for (int64_t d = 0; d < kDim; ++d) grad[d] = float(gw[n * K + g * kDim + d]);
         for (int64_t c = 0; c < C; ++c) {
-          const float* e = books.data() + (c * kEntries + cg[c * N]) * kDim;
-          for (int64_t d = 0; d < kDim; ++d) v[d] += e[d];
+          const int64_t at = (c * kEntries + cg[c * N]) * kDim;
+          for (int64_t d = 0; d < kDim; ++d) {
+            dot[d] += grad[d] * books[at + d];
+            mine[at + d] += scales[n] * grad[d];
+          }
         }
-        for (int64_t d = 0; d < kDim; ++d) wp[n * K + g * kDim + d] = bf16(v[d] * s);
-#endif
       }
+      float total = 0.f;
+      for (int64_t d = 0; d < kDim; ++d) total += dot[d];
+      gs[n] = total;
     }
   });
-  return w;
+}
+
+std::tuple<at::Tensor, at::Tensor> codebook_weight_backward(const at::Tensor& codes, const at::Tensor& books,
+                                                            const at::Tensor& scale, const at::Tensor& grad) {
+  check_train(codes, books, scale, "codebook_weight_backward");
+  const int64_t G = codes.size(0), C = codes.size(1), N = codes.size(2), size = C * kEntries * kDim;
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == N && grad.size(1) == G * kDim && grad.is_contiguous() &&
+                  (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16),
+              "codebook_weight_backward wants the weight's gradient [N, K] contiguous, float32 or bf16");
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> sums(threads * size, 0.f);  // each thread's d books
+  at::Tensor gs = at::empty({N}, scale.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  if (grad.scalar_type() == at::kFloat)
+    weight_grads(cp, books.data_ptr<float>(), scale.data_ptr<float>(), grad.data_ptr<float>(), G, C, N, sums.data(),
+                 gs.data_ptr<float>());
+  else
+    weight_grads(cp, books.data_ptr<float>(), scale.data_ptr<float>(), grad.data_ptr<bf16>(), G, C, N, sums.data(),
+                 gs.data_ptr<float>());
+  at::Tensor gb = at::empty(books.sizes(), books.options());
+  float* gp = gb.data_ptr<float>();
+  for (int64_t i = 0; i < size; ++i) gp[i] = sums[i];
+  for (int64_t t = 1; t < threads; ++t)
+    for (int64_t i = 0; i < size; ++i) gp[i] += sums[t * size + i];
+  return {gb, gs};
 }
 
 }  // namespace
@@ -255,9 +347,13 @@ at::Tensor codebook_dequant(const at::Tensor& codes, const at::Tensor& codebooks
 TORCH_LIBRARY_FRAGMENT(LEANLM_NS, m) {
   m.def("codebook_gemv(Tensor x, Tensor codes, Tensor codebooks, Tensor scale) -> Tensor");
   m.def("codebook_dequant(Tensor codes, Tensor codebooks, Tensor scale) -> Tensor");
+  m.def("codebook_weight(Tensor codes, Tensor books, Tensor scale, ScalarType dtype) -> Tensor");
+  m.def("codebook_weight_backward(Tensor codes, Tensor books, Tensor scale, Tensor grad) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(LEANLM_NS, CPU, m) {
   m.impl("codebook_gemv", codebook_gemv);
   m.impl("codebook_dequant", codebook_dequant);
+  m.impl("codebook_weight", codebook_weight);
+  m.impl("codebook_weight_backward", codebook_weight_backward);
 }

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from leanlm.compress.quant import format as qformat
-from leanlm.compress.quant.aqlm import AQLM, TunedCodebook, aqlm_quantize, assign, kmeans, nearest
+from leanlm import kernels
+from leanlm.compress.quant.aqlm import AQLM, TunedCodebook, _KernelWeight, aqlm_quantize, assign, kmeans, nearest
 from leanlm.compress.registry import apply, decoder_linears
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.codebook import AdditiveLinear, codebook_weight
@@ -68,6 +69,38 @@ def test_the_v_step_moves_the_codes_nearest_its_target_and_down_the_gradient():
     assert torch.all(first_order < -((h * d * d).reshape(N, G, 8).sum(-1).T[moved]) / (2 * a) + 1e-4)
     layer.track_gradient()
     assert not layer.grad.any() and not layer.h.any()  # summed afresh for the next step
+
+
+@pytest.mark.skipif(kernels.ops() is None, reason="no C++ compiler: the CPU kernels cannot be built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_training_weight_kernel_and_its_gradients_match_autograd_on_the_definition(dtype, threads):
+    """TunedCodebook's weight by kernels/codebook.cpp: the same bits as codebook_weight's (then rounded to dtype), and
+    the gradients of its codebooks and scales those of autograd through the gathers (sums in another order)."""
+    g = torch.Generator().manual_seed(3)
+    G, C, N = 9, 3, 70
+    codes = torch.randint(0, 256, (G, C, N), generator=g)
+    codes[:, :, :5] = 7  # one entry summed into from many groups
+    layer = TunedCodebook(None, codes, torch.randn(C, 256, 8, generator=g), torch.rand(N, generator=g) + 0.5)
+    x = torch.randn(5, G * 8, generator=g)
+    ref_books = layer.books.detach().clone().requires_grad_()
+    ref_scales = layer.scales.detach().clone().requires_grad_()
+    ref_w = codebook_weight(codes, ref_books.transpose(1, 2), ref_scales)
+    weights = torch.randn(5, N, generator=g)
+    (torch.nn.functional.linear(x, ref_w.to(dtype).float()) * weights).sum().backward()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            w = _KernelWeight.apply(layer.codes, layer.books, layer.scales, dtype)
+            (torch.nn.functional.linear(x.to(dtype), w).float() * weights).sum().backward()
+    finally:
+        torch.set_num_threads(before)
+    assert w.dtype == dtype and torch.equal(w, ref_w.detach().to(dtype))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the product's gradient arrives rounded
+    for ours, ref in [(layer.books.grad, ref_books.grad), (layer.scales.grad, ref_scales.grad)]:
+        assert torch.allclose(ours, ref, rtol=tol, atol=tol * ref.abs().max())
+    assert layer.books.grad[:, 7].abs().sum() > 0
 
 
 def test_kmeans_lowers_the_distortion_of_its_start():

@@ -32,6 +32,7 @@ from leanlm.compress.calibrate import DEFAULT_BATCH_SIZE, fit_block, input_stats
 from leanlm.compress.obs import Pending, check_solver_args, inverse_cholesky, obs_update, solver_inputs
 from leanlm.compress.registry import check_patterns, decoder_linears, last_match, layer_patterns, register
 from leanlm.compress.stats import Hessian
+from leanlm import kernels
 from leanlm.errors import LeanLMError
 from leanlm.lowbit.codebook import DIM, ENTRIES, AdditiveLinear, codebook_weight
 from leanlm.lowbit.record import replace
@@ -94,6 +95,22 @@ def assign(targets: torch.Tensor, weights: torch.Tensor, books: torch.Tensor, co
 def _weight(codes: torch.Tensor, books: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codebook_weight of codebooks as this module holds them, [C, 256, 8] (lowbit stores them transposed)"""
     return codebook_weight(codes, books.transpose(1, 2), scales)
+
+
+class _KernelWeight(torch.autograd.Function):
+    """_weight in `dtype` by kernels/codebook.cpp, its backward one pass over the weight's gradient (torch's gather
+    and scatter-add took half of a distillation step: README's distillation section)  # codes uint8 [K/8, C, N]"""
+
+    @staticmethod
+    def forward(ctx, codes: torch.Tensor, books: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+        ctx.save_for_backward(codes, books, scales)
+        return kernels.ops().codebook_weight(codes, books, scales, dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        codes, books, scales = ctx.saved_tensors
+        d_books, d_scales = kernels.ops().codebook_weight_backward(codes, books, scales, grad.contiguous())
+        return None, d_books, d_scales, None
 
 
 def init_codebooks(Wn: torch.Tensor, h: torch.Tensor, C: int, iters: int, generator: torch.Generator) -> torch.Tensor:
@@ -181,8 +198,8 @@ class TunedCodebook(nn.Module):
         """codes [K/8, C, N], books [C, 256, 8], scales [N]"""
         super().__init__()
         self.bias = None if bias is None else bias.detach()
-        self.codes = codes
-        self.books = nn.Parameter(books.float())
+        self.codes = codes.to(torch.uint8)
+        self.books = nn.Parameter(books.float().contiguous())
         self.scales = nn.Parameter(scales.float())
         self.grad: torch.Tensor | None = None  # d loss / d weight summed since the last update_codes (when tracked)
         self.h: torch.Tensor | None = None  # and sum of x^2 of each input, the diagonal of the layer's Hessian
@@ -190,14 +207,18 @@ class TunedCodebook(nn.Module):
     @classmethod
     def of(cls, packed: AdditiveLinear) -> "TunedCodebook":
         """A stored layer made trainable again (AQLM's end-to-end fine-tuning: distillation/step.py)."""
-        return cls(packed.bias, packed.codes.long(), packed.codebooks.transpose(1, 2), packed.scales)
+        return cls(packed.bias, packed.codes, packed.codebooks.transpose(1, 2), packed.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = _weight(self.codes, self.books, self.scales)
+        dtype = torch.get_autocast_dtype("cpu") if x.is_cpu and torch.is_autocast_enabled("cpu") else x.dtype
+        if x.is_cpu and kernels.ops() is not None:
+            w = _KernelWeight.apply(self.codes, self.books, self.scales, dtype)
+        else:
+            w = _weight(self.codes, self.books, self.scales).to(dtype)
         if self.grad is not None and w.requires_grad:
             w.register_hook(self._gather)
             self.h += x.detach().float().pow(2).reshape(-1, x.shape[-1]).sum(0)
-        return F.linear(x, w.to(x.dtype), self.bias)
+        return F.linear(x, w, self.bias)
 
     def _gather(self, grad: torch.Tensor) -> None:
         self.grad += grad
@@ -227,7 +248,7 @@ class TunedCodebook(nn.Module):
         target = (w - a * move) / torch.where(scales == 0, 1.0, scales)[:, None]
         target = target.reshape(N, G, DIM).transpose(0, 1).reshape(G * N, DIM)  # groups in the codes' order
         weights = h.reshape(G, 1, DIM).expand(G, N, DIM).reshape(G * N, DIM)
-        old = self.codes.permute(0, 2, 1).reshape(G * N, C)
+        old = self.codes.long().permute(0, 2, 1).reshape(G * N, C)
         new = assign(target, weights, books, old.clone())
 
         def error(codes: torch.Tensor) -> torch.Tensor:  # each group's distance to the target, weight units
@@ -238,7 +259,7 @@ class TunedCodebook(nn.Module):
         top = gain.topk(max(1, int(fraction * G * N))).indices
         top = top[gain[top] > 0]
         old[top] = new[top]
-        self.codes = old.reshape(G, N, C).permute(0, 2, 1).contiguous()
+        self.codes = old.reshape(G, N, C).permute(0, 2, 1).to(torch.uint8).contiguous()
         return top.numel()
 
     def pack(self) -> AdditiveLinear:

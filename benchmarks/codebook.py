@@ -2,8 +2,8 @@
 Q2_K, and the decode kernel that reads them.
 
     python benchmarks/codebook.py [--model smollm2-135m] [--bits 2] [--samples 128] [--iters 100]
-                                  [--distill-steps 200] [--sections k,m] [--wide PROJ,...] [--skip NAME,...]
-                                  [--codes S] [--rotate]
+                                  [--distill-steps 200] [--distill-lr LR] [--sections k,m] [--wide PROJ,...]
+                                  [--skip NAME,...] [--codes S] [--rotate]
 
 k (kernel): microseconds of one decoder layer's gate_up_proj + down_proj (the default model's shapes) at 1-16 rows of
   x, over 40 layers' distinct weights in turn so that weights come from memory as in a model: bf16 (torch's GEMM and
@@ -23,8 +23,9 @@ m (model): each variant made once in a fresh process on the same --samples x 512
   its seconds are both steps'. --wide mlp.down_proj,self_attn.o_proj adds AQLM with one more codebook on those
   projections (a recipe's `layers`; bits/weight still counts every projection), distilled the same way.
   --codes S lets the codes learn in the distill step too (PV-tuning's V step on at most S of each layer's groups every
-  10 steps). --rotate makes each AQLM row after the rotate step (QuaRot's Hadamard rotations folded into the weights,
-  as QuIP# makes its weights incoherent before its codebooks; the tied lm_head untied, still bf16).
+  10 steps); --distill-lr its peak learning rate (cosine decay after warm-up). --rotate makes each AQLM row after
+  the rotate step (QuaRot's Hadamard rotations folded into the weights, as QuIP# makes its weights incoherent before
+  its codebooks; the tied lm_head untied, still bf16).
 """
 
 from __future__ import annotations
@@ -158,11 +159,12 @@ def model_table(args) -> Table:
                                            str(calibration), str(out)], out)))
         if method.endswith("aqlm") and args.distill_steps:
             codes = f"-codes{args.codes}" if args.codes else ""
-            tuned = out.with_name(f"{out.name}+distill-steps{args.distill_steps}{codes}")
+            lr = f"-lr{args.distill_lr}" if args.distill_lr else ""
+            tuned = out.with_name(f"{out.name}+distill-steps{args.distill_steps}{codes}{lr}")
             err.print(f"[dim]{args.model}: {label} + distillation[/]")
             cost = measured([sys.executable, me, "--distill-child", args.model, str(out), str(args.distill_steps),
-                             str(tuned), str(args.codes)], tuned)
-            learn = f", codes {args.codes}" if args.codes else ""
+                             str(tuned), str(args.codes), str(args.distill_lr or 0)], tuned)
+            learn = (f", codes {args.codes}" if args.codes else "") + (f", lr {args.distill_lr}" if lr else "")
             runs.append((f"{label} + distillation ({args.distill_steps} steps{learn})", tuned,
                          {"seconds": runs[-1][2]["seconds"] + cost["seconds"], "peak_mb": cost.get("peak_mb")}))
     if "q2k" not in args.skip:
@@ -197,8 +199,8 @@ def main() -> None:
         model, method, options, calibration, output = sys.argv[2:7]
         return quantize_child(model, method, json.loads(options), calibration, output, torch.get_num_threads())
     if sys.argv[1:2] == ["--distill-child"]:
-        model, source, steps, output, codes = sys.argv[2:7]
-        return distill_child(model, source, int(steps), output, float(codes))
+        model, source, steps, output, codes, lr = sys.argv[2:8]
+        return distill_child(model, source, int(steps), output, float(codes), float(lr) or None)
     if sys.argv[1:2] == ["--q2k-child"]:
         return q2k_child(*sys.argv[2:5])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,6 +212,8 @@ def main() -> None:
                     help="steps of AQLM's end-to-end distillation after each AQLM row (0: none)")
     ap.add_argument("--codes", type=float, default=0.0,
                     help="the distillation's codes learn too: the share of groups a code update may change (0: fixed)")
+    ap.add_argument("--distill-lr", type=float, default=None,
+                    help="the distillation's peak learning rate (default: the distill step's, 1e-3 after AQLM)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="evaluation tokens")
     ap.add_argument("--wide", default="", help="also AQLM with one more codebook on these projections, "
                                                "comma-separated (e.g. mlp.down_proj,self_attn.o_proj)")

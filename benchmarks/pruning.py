@@ -99,9 +99,11 @@ def quantize_child(model: str, method: str, options: dict, calibration: str, out
     print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
 
 
-def distill_child(model: str, source: str, steps: int, output: str, codes: float = 0.0) -> None:
+def distill_child(model: str, source: str, steps: int, output: str, codes: float = 0.0,
+                  lr: float | None = None) -> None:
     """In a fresh process: the distill step of `steps` steps on the quantized model `source` (the bf16 `model` its
-    teacher; `codes`: the step's option, after AQLM), saved with the recipe of every step (frontier, codebook)."""
+    teacher; `codes`, `lr`: the step's options, None its default), saved with the recipe of every step (frontier,
+    codebook)."""
     from leanlm.compress.quant import format as qformat
     from leanlm.compress.registry import apply
     from leanlm.fetch import atomic_dir
@@ -111,7 +113,8 @@ def distill_child(model: str, source: str, steps: int, output: str, codes: float
     from leanlm.pipeline import make_config
     from leanlm.runtime import peak_rss_mb
 
-    config = make_config("distill", {"teacher": model, "steps": steps, **({"codes": codes} if codes else {})})
+    options = {"teacher": model, "steps": steps, **({"codes": codes} if codes else {}), **({"lr": lr} if lr else {})}
+    config = make_config("distill", options)
     net, _ = load(source, "bfloat16", "cpu", progress=False)
     start = time.perf_counter()
     apply(net, config)

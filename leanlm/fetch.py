@@ -61,6 +61,20 @@ def pip_download(requirement: str, dest: Path, sdist: bool = False) -> Path:
 
 
 @contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive lock on `path` (created) for the block: True, or False with no lock where fcntl is missing. The
+    OS frees it when its holder dies, so a killed process leaves nothing that blocks the next."""
+    try:
+        import fcntl  # POSIX only
+    except ImportError:
+        yield False
+        return
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield True
+
+
+@contextlib.contextmanager
 def atomic_dir(final: Path):
     """Yield a temporary directory beside `final`; it becomes `final` only if the block succeeds."""
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,6 @@ callers then fall back to torch ops.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -45,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from leanlm.fetch import cache_dir
+from leanlm.fetch import cache_dir, locked
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu.cpp", "sparse.cpp", "amx.cpp", "codebook.cpp"))  # one .so
@@ -115,8 +114,8 @@ def _build(variant: str):
     directory = cache_dir() / "kernels" / library
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with _locked(directory.with_suffix(".lock")) as locked:
-            if locked:  # torch's own lock file, left by a build that was killed, made every later build wait forever;
+        with locked(directory.with_suffix(".lock")) as held:
+            if held:  # torch's own lock file, left by a build that was killed, made every later build wait forever;
                 (directory / "lock").unlink(missing_ok=True)  # no build runs here without our lock: it is stale
             if not any(directory.glob("*.so")):
                 print("leanlm: compiling the CPU kernels (once, ~10 s)", file=sys.stderr)
@@ -253,8 +252,8 @@ def _measured_once(name: str, measure) -> int:
     path = cache_dir() / "kernels" / f"switches-{source_hash()}-{_cpu_tag()}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path.with_suffix(".lock")) as locked:
-            if not locked:  # no fcntl (not POSIX): time in each process, as before
+        with locked(path.with_suffix(".lock")) as held:
+            if not held:  # no fcntl (not POSIX): time in each process, as before
                 return measure()
             known = json.loads(path.read_text()) if path.exists() else {}
             if name not in known:
@@ -265,20 +264,6 @@ def _measured_once(name: str, measure) -> int:
             return int(known[name])
     except (OSError, ValueError):
         return measure()
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on `path` (created) for the block: True, or False with no lock where fcntl is missing. The
-    OS frees it when its holder dies, so a killed process leaves nothing that blocks the next."""
-    try:
-        import fcntl  # POSIX only
-    except ImportError:
-        yield False
-        return
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield True
 
 
 def _time_bf16_rows(ns) -> int:

@@ -206,6 +206,14 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
     final = fetch.cache_dir() / "models" / name
     if not force and _is_complete(final, entry.gguf_sha256):
         return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with fetch.locked(final.with_name(f".{name}.lock")):  # one pull at a time: another waits, then finds it done
+        if not force and _is_complete(final, entry.gguf_sha256):
+            return final
+        return _pull(name, entry, final, force, progress)
+
+
+def _pull(name: str, entry: ZooEntry, final: Path, force: bool, progress: bool) -> Path:
     downloads = fetch.cache_dir() / "downloads" / name
     if force:
         shutil.rmtree(downloads, ignore_errors=True)

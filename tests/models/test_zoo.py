@@ -130,6 +130,37 @@ def test_pull_assembles_verifies_and_cleans_up(cache, fake_entry, converts):
     assert len(served) == 4 and len(converts) == 2
 
 
+def test_pulls_at_once_download_and_convert_once(cache, fake_entry, converts, monkeypatch):
+    """Two processes started together on a fresh machine: the second waits for the first's pull, then finds the
+    model there (it had read the GGUF's folder while the first removed it)."""
+    import threading
+    import time
+
+    _, _, served = fake_entry
+    slow = zoo.convert_gguf
+
+    def slow_convert(*args, **kwargs):
+        time.sleep(0.3)  # the first is still converting when the second asks
+        slow(*args, **kwargs)
+
+    monkeypatch.setattr(zoo, "convert_gguf", slow_convert)
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(pull("fake", progress=False))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [cache / "models" / "fake"] * 2
+    assert len(converts) == 1 and len(served) == 2
+
+
 def test_pull_progress_goes_to_stderr(cache, fake_entry, converts, capsys):
     # A pull can happen inside `leanlm generate NAME > out.txt`: its bars must not land in the result.
     pull("fake", progress=True)

@@ -206,8 +206,9 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
     final = fetch.cache_dir() / "models" / name
     if not force and _is_complete(final, entry.gguf_sha256):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with fetch.locked(final.with_name(f".{name}.lock")):  # one pull at a time: another waits, then finds it done
+    lock = fetch.cache_dir() / "downloads" / f"{name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with fetch.locked(lock):  # one pull at a time: another waits, then finds it done
         if not force and _is_complete(final, entry.gguf_sha256):
             return final
         return _pull(name, entry, final, force, progress)

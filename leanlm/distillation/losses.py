@@ -56,7 +56,34 @@ def soft_cross_entropy(student: torch.Tensor, teacher: torch.Tensor, T: float = 
 def forward_kl(student: torch.Tensor, teacher: torch.Tensor, T: float = 1.0,
                mask: torch.Tensor | None = None) -> torch.Tensor:
     """T² · KL(p || q) = T² Σ p (log p − log q): mode-covering, the student spreads over all the teacher's modes."""
+    if mask is None and student.requires_grad and not teacher.requires_grad:
+        return _ForwardKL.apply(student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1]), T)
     return T * T * _mean(_kl(_log_softmax(teacher, T), _log_softmax(student, T)), mask)
+
+
+class _ForwardKL(torch.autograd.Function):
+    """forward_kl of rows [R, V] with no mask, its gradient T (q − p) / R found in the forward pass a few rows at a
+    time, so that every pass over them stays in the cache: autograd's passes over a distillation chunk's logits
+    ([85, 49152], 16 MB each) went to memory (32 ms a chunk against 14, Zen 4, 2 threads)."""
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, T: float) -> torch.Tensor:
+        R = student.shape[0]
+        grad = torch.empty_like(student, dtype=torch.promote_types(student.dtype, torch.float32))
+        total = grad.new_zeros(())
+        step = max(1, (1 << 18) // student.shape[1])  # 1 MiB of float32 logits
+        for i in range(0, R, step):
+            log_q, log_p = _log_softmax(student[i:i + step], T), _log_softmax(teacher[i:i + step], T)
+            p = log_p.exp()
+            total += (p * (log_p - log_q)).sum()
+            torch.mul(log_q.exp_().sub_(p), T / R, out=grad[i:i + step])
+        ctx.save_for_backward(grad)
+        return total * (T * T / R)
+
+    @staticmethod
+    def backward(ctx, d_loss: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * d_loss, None, None
 
 
 def reverse_kl(student: torch.Tensor, teacher: torch.Tensor, T: float = 1.0,

@@ -107,6 +107,22 @@ def test_hidden_mse_through_a_projection_and_shape_errors():
         losses.attention_mse(torch.zeros(1, 2, 3, 3), torch.zeros(1, 4, 3, 3))
 
 
+def test_forward_kl_in_blocks_of_rows_matches_the_formula():
+    """forward_kl's gradient is found in its forward pass a block of rows at a time (2 rows at this vocabulary):
+    value and gradient those of the formula (its masked form, all kept), bf16 logits in float32."""
+    g = torch.Generator().manual_seed(5)
+    s, t = torch.randn(5, 1 << 17, generator=g) * 3, torch.randn(5, 1 << 17, generator=g) * 3
+    for student in (s, s.bfloat16()):
+        ours = student.clone().requires_grad_()
+        ref = student.clone().requires_grad_()
+        value = losses.forward_kl(ours, t, 2.0)
+        expected = losses.forward_kl(ref, t, 2.0, mask=torch.ones(5, dtype=torch.bool))
+        assert value.dtype == torch.float32 and torch.allclose(value, expected, rtol=1e-5)
+        (value * 3).backward(), (expected * 3).backward()
+        assert ours.grad.dtype == student.dtype
+        assert torch.allclose(ours.grad.float(), ref.grad.float(), rtol=1e-2, atol=1e-3 * ref.grad.abs().max())
+
+
 def test_gradcheck_in_float64():
     s = S[:2, :2].clone().requires_grad_()
     t = Tt[:2, :2]

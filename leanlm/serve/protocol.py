@@ -134,6 +134,8 @@ class _Sampling(BaseModel):
         """The engine's SamplingParams; LeanLMError (a 400) for what it cannot honour."""
         if self.top_k < -1:
             raise LeanLMError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.stream_options is not None and not self.stream:
+            raise LeanLMError("stream_options applies to a streamed response: send it with stream: true")
         if max_tokens is not None and max_tokens < 1:
             raise LeanLMError(f"max_tokens must be >= 1 (or left out: to the end of the context), got {max_tokens}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -207,6 +209,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
 
     def params(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise LeanLMError("top_logprobs needs logprobs: true (the alternatives come with each token's logprob)")
         return self.sampling_params(self.max_completion_tokens or self.max_tokens,
                                     self.top_logprobs or 0 if self.logprobs else None)
 

@@ -121,10 +121,16 @@ def test_requests_beyond_what_the_server_honours_are_refused_by_name(server, pay
     assert server.settled()
 
 
-def test_chat_fields_it_cannot_honour_are_refused(server):
+@pytest.mark.parametrize("fields, words", [
+    ({"modalities": ["audio"]}, "modalities"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true, as OpenAI and vLLM refuse it
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+])
+def test_chat_fields_it_cannot_honour_are_refused(server, fields, words):
     r = post(server, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                                               "modalities": ["audio"]})
-    assert r.status_code == 400 and "modalities" in r.json()["error"]["message"]
+                                               **fields})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert server.settled()
 
 
 def test_a_chunked_body_over_the_limit_is_refused_on_the_bytes_read(server):

@@ -112,6 +112,7 @@ def test_tokenize_and_detokenize(server, tiny):
     ({"model": NAME, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"model": NAME, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": NAME, "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"model": NAME, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": NAME, "prompt": ["hello world"] * 200, "n": 16, "max_tokens": 400}, 413, "KV cache"),
 ])
 def test_requests_beyond_what_the_server_honours_are_refused_by_name(server, payload, status, words):
